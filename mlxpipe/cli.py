@@ -1,0 +1,234 @@
+"""The command line: parse arguments, render events, map errors to exit codes.
+
+Data goes to stdout, flushed per chunk; everything else goes to stderr. Exit status: 0 every record
+done, 1 some record failed, 2 usage error, 3 model could not be loaded, 128+signal when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import IO
+
+from . import io
+from .events import Chunk, Done, Error, Event
+from .options import build_parser
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MODEL = 0, 1, 2, 3
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class Interrupts:
+    """SIGINT and SIGTERM: the first ends the record in flight cleanly, a second exits at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.reading = False  # blocked on input: nothing in flight, so stop right away
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.signum is not None:
+            os._exit(128 + self.signum)
+        self.signum = signum
+        if self.reading:
+            raise KeyboardInterrupt
+
+    def __call__(self) -> bool:
+        return self.signum is not None
+
+    def guard(self, records: Iterable[io.Record | io.BadRecord]) -> Iterator[io.Record | io.BadRecord]:
+        """Mark the time spent waiting for input, so a signal then needs no record to finish."""
+        it = iter(records)
+        while True:
+            self.reading = True
+            try:
+                record = next(it)
+            except StopIteration:
+                return
+            finally:
+                self.reading = False
+            yield record
+
+
+@dataclass
+class Stats:
+    """Totals for --stats."""
+
+    records: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    tokens: int = 0
+    peak_memory: int = 0
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, Done):
+            self.records += 1
+            self.prompt_tokens += event.prompt_tokens
+            self.tokens += event.tokens
+            self.peak_memory = max(self.peak_memory, event.peak_memory)
+        elif isinstance(event, Error):
+            self.records += 1
+            self.failed += 1
+
+    def line(self, seconds: float) -> str:
+        tps = self.tokens / seconds if seconds > 0 else 0.0
+        return (f"mlxpipe: {self.records} records, {self.failed} failed, {self.prompt_tokens} prompt tokens, "
+                f"{self.tokens} generated tokens, {tps:.1f} tok/s, peak memory "
+                f"{self.peak_memory / 1e6:.1f} MB, {seconds:.1f} s")
+
+
+_NEWLINES = re.compile(r"[\r\n]+")
+
+
+class Renderer:
+    """Writes events to stdout as text or JSONL."""
+
+    def __init__(self, out: IO[bytes], *, jsonl: bool, stream: bool, one_line: bool, null: bool) -> None:
+        self.out = out
+        self.jsonl = jsonl
+        self.stream = stream
+        self.one_line = one_line
+        self.end = b"\0" if null else b"\n"
+
+    def write(self, event: Event) -> None:
+        if self.jsonl:
+            if self.stream or not isinstance(event, Chunk):
+                self._emit(event.to_json().encode() + b"\n")
+        elif isinstance(event, Chunk):
+            if self.stream:
+                self._emit(self._text(event.text).encode())
+        elif isinstance(event, Done):
+            self._emit((b"" if self.stream else self._text(event.text).encode()) + self.end)
+        else:  # a failed record still gets its (empty) line, so output line N answers input line N
+            self._emit(self.end)
+
+    def _text(self, text: str) -> str:
+        return _NEWLINES.sub(" ", text) if self.one_line else text
+
+    def _emit(self, data: bytes) -> None:
+        self.out.write(data)
+        self.out.flush()
+
+
+def _inputs(files: list[str]) -> Iterator[tuple[str, IO[bytes]]]:
+    for name in files or ["-"]:
+        if name == "-":
+            yield io.STDIN, sys.stdin.buffer
+        else:
+            with open(name, "rb") as f:
+                yield name, f
+
+
+def _records(files: list[str], reader: io.RecordReader) -> Iterator[io.Record | io.BadRecord]:
+    for name, stream in _inputs(files):
+        yield from reader.read(name, stream)
+
+
+def _template(args: argparse.Namespace) -> io.Template | None:
+    if args.template is not None and args.template_file is not None:
+        raise io.UsageError("--template and --template-file cannot be used together")
+    text = args.template
+    if args.template_file is not None:
+        try:
+            with open(args.template_file, encoding="utf-8") as f:
+                text = f.read().rstrip("\n")
+        except OSError as exc:
+            raise io.UsageError(f"cannot read template file: {exc}") from None
+    if text is None:
+        return None
+    template = io.Template.parse(text)
+    if args.in_format == "lines" and set(template.fields) - {"line"}:
+        raise io.UsageError("in lines mode a template can only use {line}")
+    return template
+
+
+def _settings(args: argparse.Namespace) -> io.Settings:
+    return io.Settings(
+        max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+        stop=tuple(args.stop or ()), system=args.system, raw=args.raw,
+        chat_template_args=args.chat_template_args or {},
+    )
+
+
+def _check_files(files: list[str]) -> None:
+    for name in files:
+        if name != "-":
+            try:
+                with open(name, "rb"):
+                    pass
+            except OSError as exc:
+                raise io.UsageError(f"cannot open {name}: {exc.strerror}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run mlxpipe with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse has printed help, the version or a usage error
+        return int(exc.code or 0)
+    if args.jsonl:
+        args.in_format = args.out_format = "jsonl"
+    try:
+        template = _template(args)
+        _check_files(args.files)
+    except io.UsageError as exc:
+        _say(f"mlxpipe: error: {exc}")
+        return EXIT_USAGE
+
+    from .engine import Engine  # imported late: mlx takes a while to import, and --help need not wait
+    from .models import ModelError
+    from .pipeline import run
+
+    interrupts = Interrupts()
+    interrupts.install()
+    stats = Stats()
+    try:
+        try:
+            engine = Engine.load(args.model)
+        except ModelError as exc:
+            _say(f"mlxpipe: error: {exc}")
+            return EXIT_MODEL
+        if args.model_info:
+            sys.stdout.write(json.dumps(engine.info(), ensure_ascii=False) + "\n")
+            return EXIT_OK
+        fmt = io.InputFormat(jsonl=args.in_format == "jsonl", null=args.null, template=template,
+                             prompt_key=args.prompt_key, max_line_bytes=args.max_line_bytes)
+        reader = io.RecordReader(fmt, _settings(args))
+        renderer = Renderer(sys.stdout.buffer, jsonl=args.out_format == "jsonl", stream=not args.no_stream,
+                            one_line=args.one_line, null=args.null)
+        started = time.perf_counter()
+        events = run(interrupts.guard(_records(args.files, reader)), engine, interrupts)
+        try:
+            for event in events:
+                stats.add(event)
+                if isinstance(event, Error):
+                    _say(event.message())
+                renderer.write(event)
+        except BrokenPipeError:
+            # The reader went away (`| head`): stop generating, say nothing, succeed.
+            events.close()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_OK
+        if args.stats:
+            _say(stats.line(time.perf_counter() - started))
+    except KeyboardInterrupt:
+        pass
+    if interrupts.signum is not None:
+        return 128 + interrupts.signum
+    return EXIT_FAILED if stats.failed else EXIT_OK

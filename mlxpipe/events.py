@@ -1,0 +1,117 @@
+"""The wire format: every event mlxpipe emits, defined in this one place.
+
+With ``--out jsonl`` each event is written as one compact UTF-8 JSON object per line. The
+``event`` field names its kind; the set of kinds and of fields may grow, so consumers should
+ignore what they do not know.
+
+``chunk``  a fragment of a record's completion, as it streams::
+
+    {"event": "chunk", "id": ..., "text": str, "tokens": int, "tps": float}
+
+``done``   a record's final result (exactly one per successful record)::
+
+    {"event": "done", "id": ..., "text": str, "finish_reason": "stop" | "length" | "interrupted",
+     "tokens": int, "tps": float, "prompt_tokens": int, "prompt_tps": float,
+     "peak_memory": int (bytes), "input": <the original record>}
+
+``error``  a record that could not be processed (exactly one per failed record)::
+
+    {"event": "error", "id": ..., "file": str, "line": int, "error": str}
+
+``id`` is the record's own ``id`` field when it has one, else its 1-based record number.
+``tokens`` counts generated tokens so far (the EOS token included, as mlx-lm counts them);
+``tps`` is generation tokens per second. ``finish_reason`` is "stop" on EOS or a stop string,
+"length" at max tokens, "interrupted" when SIGINT or SIGTERM ended the record early.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+def _dumps(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A streamed fragment of one record's completion."""
+
+    kind: ClassVar[str] = "chunk"
+    index: int = field(repr=False)  # record number, for ordering; not on the wire
+    id: Any
+    text: str
+    tokens: int
+    tps: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": self.kind, "id": self.id, "text": self.text, "tokens": self.tokens,
+                "tps": round(self.tps, 3)}
+
+    def to_json(self) -> str:
+        return _dumps(self.to_dict())
+
+
+@dataclass(frozen=True)
+class Done:
+    """The final result of one record."""
+
+    kind: ClassVar[str] = "done"
+    index: int = field(repr=False)
+    id: Any
+    text: str
+    finish_reason: str
+    tokens: int
+    tps: float
+    prompt_tokens: int
+    prompt_tps: float
+    peak_memory: int
+    input: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "event": self.kind,
+            "id": self.id,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "tokens": self.tokens,
+            "tps": round(self.tps, 3),
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tps": round(self.prompt_tps, 3),
+            "peak_memory": self.peak_memory,
+            "input": self.input,
+        }
+
+    def to_json(self) -> str:
+        return _dumps(self.to_dict())
+
+
+@dataclass(frozen=True)
+class Error:
+    """A record that could not be processed; the run goes on with the next one."""
+
+    kind: ClassVar[str] = "error"
+    index: int = field(repr=False)
+    id: Any
+    file: str
+    line: int
+    error: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": self.kind, "id": self.id, "file": self.file, "line": self.line, "error": self.error}
+
+    def to_json(self) -> str:
+        return _dumps(self.to_dict())
+
+    def message(self) -> str:
+        """The one-line form for stderr, in the style of jq: ``mlxpipe: error (at FILE:LINE): …``."""
+        return f"mlxpipe: error (at {self.file}:{self.line}): {self.error}"
+
+
+Event = Chunk | Done | Error
+"""Any event the pipeline yields."""
+
+FINAL_EVENTS = (Done, Error)
+"""The kinds that end a record: every record gets exactly one of them."""
