@@ -1,0 +1,88 @@
+"""Shared fixtures: the real command, the real embedded model, and a fake engine for fast tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlxpipe.events import Chunk, Done
+from mlxpipe.io import Record
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Model conversions go to a cache of the test session's own, never the user's."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for running the command from this checkout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("MLXPIPE_MODEL", None)
+    env.update(extra)
+    return env
+
+
+MLXPIPE = [sys.executable, "-m", "mlxpipe"]
+
+
+def run_cli(args: list[str], input: bytes | str | None = None, timeout: float = 300,
+            env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
+    """Run ``mlxpipe ARGS`` as a real process; stdout and stderr are captured as bytes."""
+    data = input.encode() if isinstance(input, str) else input
+    return subprocess.run(MLXPIPE + args, input=data, capture_output=True, timeout=timeout,
+                          env=env or cli_env(), cwd=kwargs.pop("cwd", REPO), **kwargs)
+
+
+@pytest.fixture(scope="session")
+def engine() -> Any:
+    """The real embedded model, loaded once per test session."""
+    from mlxpipe.engine import Engine
+
+    return Engine.load()
+
+
+class FakeEngine:
+    """An engine that answers from a queue, for fast tests of io, pipeline and rendering.
+
+    ``enqueue(["a b", ...])`` sets the next answers (each streamed word by word); ``history``
+    lists the records it was asked.
+    """
+
+    def __init__(self) -> None:
+        self.answers: list[str] = []
+        self.history: list[Record] = []
+
+    def enqueue(self, answers: list[str]) -> None:
+        self.answers.extend(answers)
+
+    def generate(self, record: Record, should_stop: Callable[[], bool] = lambda: False) -> Iterator[Any]:
+        self.history.append(record)
+        answer = self.answers.pop(0) if self.answers else f"echo: {record.prompt}"
+        words = answer.split(" ")
+        text = ""
+        for n, word in enumerate(words, 1):
+            piece = word if n == 1 else " " + word
+            text += piece
+            yield Chunk(record.index, record.id, piece, n, 100.0)
+        yield Done(record.index, record.id, text, "stop", len(words), 100.0, 3, 300.0, 1000, record.input)
+
+
+@pytest.fixture
+def fake_engine() -> FakeEngine:
+    return FakeEngine()
