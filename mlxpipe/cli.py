@@ -86,9 +86,11 @@ class Stats:
 
     def line(self, seconds: float) -> str:
         tps = self.tokens / seconds if seconds > 0 else 0.0
-        return (f"mlxpipe: {self.records} records, {self.failed} failed, {self.prompt_tokens} prompt tokens, "
-                f"{self.tokens} generated tokens, {tps:.1f} tok/s, peak memory "
-                f"{self.peak_memory / 1e6:.1f} MB, {seconds:.1f} s")
+        return (
+            f"mlxpipe: {self.records} records, {self.failed} failed, {self.prompt_tokens} prompt tokens, "
+            f"{self.tokens} generated tokens, {tps:.1f} tok/s, peak memory "
+            f"{self.peak_memory / 1e6:.1f} MB, {seconds:.1f} s"
+        )
 
 
 _NEWLINES = re.compile(r"[\r\n]+")
@@ -158,9 +160,16 @@ def _template(args: argparse.Namespace) -> io.Template | None:
 
 def _settings(args: argparse.Namespace) -> io.Settings:
     return io.Settings(
-        max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-        stop=tuple(args.stop or ()), system=args.system, raw=args.raw,
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+        system=args.system,
+        raw=args.raw,
         chat_template_args=args.chat_template_args or {},
     )
 
@@ -207,11 +216,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.model_info:
             sys.stdout.write(json.dumps(engine.info(), ensure_ascii=False) + "\n")
             return EXIT_OK
-        fmt = io.InputFormat(jsonl=args.in_format == "jsonl", null=args.null, template=template,
-                             prompt_key=args.prompt_key, max_line_bytes=args.max_line_bytes)
+        fmt = io.InputFormat(
+            jsonl=args.in_format == "jsonl",
+            null=args.null,
+            template=template,
+            prompt_key=args.prompt_key,
+            max_line_bytes=args.max_line_bytes,
+        )
         reader = io.RecordReader(fmt, _settings(args))
-        renderer = Renderer(sys.stdout.buffer, jsonl=args.out_format == "jsonl", stream=not args.no_stream,
-                            one_line=args.one_line, null=args.null)
+        renderer = Renderer(
+            sys.stdout.buffer,
+            jsonl=args.out_format == "jsonl",
+            stream=not args.no_stream,
+            one_line=args.one_line,
+            null=args.null,
+        )
         started = time.perf_counter()
         events = run(interrupts.guard(_records(args.files, reader)), engine, interrupts)
         try:

@@ -40,7 +40,7 @@ class Engine:
 
     @classmethod
     def load(cls, spec: str | None = None) -> Engine:
-        """Resolve ``spec`` (see :func:`mlxpipe.models.resolve`) and load it; raise ``ModelError`` on failure."""
+        """Resolve ``spec`` (see :func:`mlxpipe.models.resolve`) and load it, or raise ``ModelError``."""
         source = models.resolve(spec)
         folder = models.materialize(source)
         try:
@@ -71,14 +71,16 @@ class Engine:
             messages = [{"role": "user", "content": record.prompt or ""}]
         else:
             prompt = record.prompt or ""
-            tokens: list[int] = tok.encode(prompt, add_special_tokens=tok.bos_token is None
-                                           or not prompt.startswith(tok.bos_token))
+            tokens: list[int] = tok.encode(
+                prompt, add_special_tokens=tok.bos_token is None or not prompt.startswith(tok.bos_token)
+            )
             return self._checked(tokens)
         if s.system is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": s.system})
         try:
-            tokens = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                             **dict(s.chat_template_args))
+            tokens = tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, **dict(s.chat_template_args)
+            )
         except Exception as exc:  # jinja errors from the model's own template
             raise RecordError(f"chat template failed: {exc}") from None
         return self._checked(list(tokens))
@@ -87,8 +89,10 @@ class Engine:
         if not tokens:
             raise RecordError("empty prompt")
         if self.context_length and len(tokens) >= self.context_length:
-            raise RecordError(f"prompt is {len(tokens)} tokens, longer than the model's context of "
-                              f"{self.context_length} tokens")
+            raise RecordError(
+                f"prompt is {len(tokens)} tokens, longer than the model's context of "
+                f"{self.context_length} tokens"
+            )
         return tokens
 
     def generate(self, record: Record, should_stop: Callable[[], bool] = _never) -> Iterator[Chunk | Done]:
@@ -104,8 +108,12 @@ class Engine:
         stops = StopStrings(s.stop)
         text: list[str] = []
         responses = mlx_lm.stream_generate(
-            self.model, self.tokenizer, tokens, max_tokens=s.max_tokens,
-            sampler=_sampler(s), logits_processors=_logits_processors(s),
+            self.model,
+            self.tokenizer,
+            tokens,
+            max_tokens=s.max_tokens,
+            sampler=_sampler(s),
+            logits_processors=_logits_processors(s),
         )
         try:
             for r in responses:
@@ -116,9 +124,18 @@ class Engine:
                     text.append(segment)
                     yield Chunk(record.index, record.id, segment, r.generation_tokens, r.generation_tps)
                 if finish is not None:
-                    yield Done(record.index, record.id, "".join(text), finish, r.generation_tokens,
-                               r.generation_tps, r.prompt_tokens, r.prompt_tps, int(r.peak_memory * 1e9),
-                               record.input)
+                    yield Done(
+                        record.index,
+                        record.id,
+                        "".join(text),
+                        finish,
+                        r.generation_tokens,
+                        r.generation_tps,
+                        r.prompt_tokens,
+                        r.prompt_tps,
+                        int(r.peak_memory * 1e9),
+                        record.input,
+                    )
                     return
         finally:
             responses.close()  # ends generation at once when our consumer stops early
@@ -139,8 +156,7 @@ class StopStrings:
     """
 
     def __init__(self, stops: tuple[str, ...]) -> None:
-        self._state = (TextStateMachine({"normal": [(w, None) for w in stops]}).make_state()
-                       if stops else None)
+        self._state = TextStateMachine({"normal": [(w, None) for w in stops]}).make_state() if stops else None
 
     def feed(self, text: str, finish: str | None) -> tuple[str, str | None]:
         """Take the next segment; return the text safe to emit and the finish reason, if any."""

@@ -47,8 +47,13 @@ class Chunk:
     tps: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"event": self.kind, "id": self.id, "text": self.text, "tokens": self.tokens,
-                "tps": round(self.tps, 3)}
+        return {
+            "event": self.kind,
+            "id": self.id,
+            "text": self.text,
+            "tokens": self.tokens,
+            "tps": round(self.tps, 3),
+        }
 
     def to_json(self) -> str:
         return _dumps(self.to_dict())

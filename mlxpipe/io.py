@@ -93,7 +93,9 @@ class Template:
         for literal, name, spec, conversion in pieces:
             if name is not None and (not _NAME.match(name) or spec or conversion):
                 shown = name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
-                raise UsageError(f"bad template field {{{shown}}}: only plain names like {{text}} are allowed")
+                raise UsageError(
+                    f"bad template field {{{shown}}}: only plain names like {{text}} are allowed"
+                )
             parts.append((literal, name))
         return cls(tuple(parts))
 
@@ -224,8 +226,13 @@ class RecordReader:
                     continue  # blank lines are skipped, but still counted
             self.count += 1
             if raw is None:
-                yield BadRecord(self.count, name, line, self.count,
-                                f"record longer than --max-line-bytes ({self.fmt.max_line_bytes} bytes)")
+                yield BadRecord(
+                    self.count,
+                    name,
+                    line,
+                    self.count,
+                    f"record longer than --max-line-bytes ({self.fmt.max_line_bytes} bytes)",
+                )
                 continue
             yield self.parse(name, line, raw)
 
@@ -244,7 +251,9 @@ class RecordReader:
             try:
                 text = self.fmt.template.render({"line": text})
             except KeyError as exc:
-                return BadRecord(index, name, line, index, f"template field {exc} is not available in lines mode")
+                return BadRecord(
+                    index, name, line, index, f"template field {exc} is not available in lines mode"
+                )
         return Record(index, name, line, index, text, self.settings, prompt=text)
 
     def _from_json(self, name: str, line: int, raw: bytes) -> Record | BadRecord:
@@ -261,19 +270,27 @@ class RecordReader:
         elif isinstance(obj, dict):
             obj_fields = obj
         else:
-            return BadRecord(index, name, line, index,
-                             f"a record must be a JSON object or string, not {type(obj).__name__}")
+            return BadRecord(
+                index,
+                name,
+                line,
+                index,
+                f"a record must be a JSON object or string, not {type(obj).__name__}",
+            )
         rid = obj_fields.get("id", index)
         try:
             settings = settings_from_object(obj_fields, self.settings)
             if self.fmt.template is not None:
                 try:
-                    return Record(index, name, line, rid, obj, settings,
-                                  prompt=self.fmt.template.render(obj_fields))
+                    return Record(
+                        index, name, line, rid, obj, settings, prompt=self.fmt.template.render(obj_fields)
+                    )
                 except KeyError as exc:
                     raise ValueError(f"record has no field {exc} for the template") from None
             if "messages" in obj_fields and self.fmt.prompt_key not in obj_fields:
-                return Record(index, name, line, rid, obj, settings, messages=_messages(obj_fields["messages"]))
+                return Record(
+                    index, name, line, rid, obj, settings, messages=_messages(obj_fields["messages"])
+                )
             prompt = obj_fields.get(self.fmt.prompt_key)
             if prompt is None:
                 raise ValueError(f"record has no {self.fmt.prompt_key!r} (string) or 'messages' (list)")
@@ -284,8 +301,10 @@ class RecordReader:
             return BadRecord(index, name, line, rid, str(exc))
 
 
-def records_from_objects(items: Iterable[str | Mapping[str, Any]], settings: Settings | None = None,
-                         ) -> Iterator[Record | BadRecord]:
+def records_from_objects(
+    items: Iterable[str | Mapping[str, Any]],
+    settings: Settings | None = None,
+) -> Iterator[Record | BadRecord]:
     """Records for the Python API: each item is a prompt string or a JSONL-style object."""
     reader = RecordReader(InputFormat(jsonl=True), settings or Settings())
     for number, item in enumerate(items, 1):

@@ -88,54 +88,153 @@ def json_object(text: str) -> dict[str, Any]:
 
 OPTIONS: tuple[Option, ...] = (
     # Input
-    Option(("--in",), "input", "Input format: one prompt per line, or JSONL objects.", metavar="FORMAT",
-           choices=("lines", "jsonl"), default="lines", dest="in_format"),
+    Option(
+        ("--in",),
+        "input",
+        "Input format: one prompt per line, or JSONL objects.",
+        metavar="FORMAT",
+        choices=("lines", "jsonl"),
+        default="lines",
+        dest="in_format",
+    ),
     Option(("--jsonl",), "input", "Short for --in jsonl --out jsonl.", action="store_true"),
-    Option(("-z", "--null"), "input", "Records are separated by NUL bytes, on input and output.",
-           action="store_true"),
-    Option(("--prompt-key",), "input", "JSONL field holding the prompt (default: prompt).", metavar="KEY",
-           default="prompt"),
-    Option(("--template",), "input", "Build each prompt from the record: {name} is replaced by the record's "
-           "field ({line} in lines mode); {{ and }} are literal braces.", metavar="TEXT"),
+    Option(
+        ("-z", "--null"),
+        "input",
+        "Records are separated by NUL bytes, on input and output.",
+        action="store_true",
+    ),
+    Option(
+        ("--prompt-key",),
+        "input",
+        "JSONL field holding the prompt (default: prompt).",
+        metavar="KEY",
+        default="prompt",
+    ),
+    Option(
+        ("--template",),
+        "input",
+        "Build each prompt from the record: {name} is replaced by the record's "
+        "field ({line} in lines mode); {{ and }} are literal braces.",
+        metavar="TEXT",
+    ),
     Option(("--template-file",), "input", "Read the --template text from FILE.", metavar="FILE"),
-    Option(("--max-line-bytes",), "input", "Records longer than this are errors (default: 1048576).",
-           metavar="N", type=positive_int, default=1 << 20),
+    Option(
+        ("--max-line-bytes",),
+        "input",
+        "Records longer than this are errors (default: 1048576).",
+        metavar="N",
+        type=positive_int,
+        default=1 << 20,
+    ),
     # Generation
-    Option(("-n", "--max-tokens"), "generation", "Most tokens to generate per record (default: 256).",
-           metavar="N", type=positive_int, default=256),
-    Option(("--temp",), "generation", "Sampling temperature; 0 is greedy (default: 0).", metavar="T",
-           type=non_negative_float, default=0.0),
-    Option(("--top-p",), "generation", "Nucleus sampling: keep the smallest set of tokens whose probability "
-           "reaches P (0 = off).", metavar="P", type=probability, default=0.0),
-    Option(("--top-k",), "generation", "Sample from the K most likely tokens (0 = off).", metavar="K",
-           type=non_negative_int, default=0),
-    Option(("--min-p",), "generation", "Drop tokens less likely than P times the most likely (0 = off).",
-           metavar="P", type=probability, default=0.0),
-    Option(("--repetition-penalty",), "generation", "Penalise tokens repeated in the last 20 (1 = off).",
-           metavar="R", type=non_negative_float),
-    Option(("--seed",), "generation", "Random seed, applied to each record, so an answer does not depend on "
-           "its position in the input.", metavar="N", type=non_negative_int),
+    Option(
+        ("-n", "--max-tokens"),
+        "generation",
+        "Most tokens to generate per record (default: 256).",
+        metavar="N",
+        type=positive_int,
+        default=256,
+    ),
+    Option(
+        ("--temp",),
+        "generation",
+        "Sampling temperature; 0 is greedy (default: 0).",
+        metavar="T",
+        type=non_negative_float,
+        default=0.0,
+    ),
+    Option(
+        ("--top-p",),
+        "generation",
+        "Nucleus sampling: keep the smallest set of tokens whose probability reaches P (0 = off).",
+        metavar="P",
+        type=probability,
+        default=0.0,
+    ),
+    Option(
+        ("--top-k",),
+        "generation",
+        "Sample from the K most likely tokens (0 = off).",
+        metavar="K",
+        type=non_negative_int,
+        default=0,
+    ),
+    Option(
+        ("--min-p",),
+        "generation",
+        "Drop tokens less likely than P times the most likely (0 = off).",
+        metavar="P",
+        type=probability,
+        default=0.0,
+    ),
+    Option(
+        ("--repetition-penalty",),
+        "generation",
+        "Penalise tokens repeated in the last 20 (1 = off).",
+        metavar="R",
+        type=non_negative_float,
+    ),
+    Option(
+        ("--seed",),
+        "generation",
+        "Random seed, applied to each record, so an answer does not depend on its position in the input.",
+        metavar="N",
+        type=non_negative_int,
+    ),
     Option(("-s", "--system"), "generation", "System prompt for the chat template.", metavar="TEXT"),
-    Option(("--raw",), "generation", "Send the prompt verbatim, without the chat template.",
-           action="store_true"),
-    Option(("--chat-template-args",), "generation", "Extra arguments for the chat template, as a JSON object.",
-           metavar="JSON", type=json_object),
-    Option(("--stop",), "generation", "Stop when the text contains STR, which is left out (repeatable).",
-           metavar="STR", action="append"),
+    Option(
+        ("--raw",), "generation", "Send the prompt verbatim, without the chat template.", action="store_true"
+    ),
+    Option(
+        ("--chat-template-args",),
+        "generation",
+        "Extra arguments for the chat template, as a JSON object.",
+        metavar="JSON",
+        type=json_object,
+    ),
+    Option(
+        ("--stop",),
+        "generation",
+        "Stop when the text contains STR, which is left out (repeatable).",
+        metavar="STR",
+        action="append",
+    ),
     # Output
-    Option(("--out",), "output", "Output format: the streamed text, or JSONL events.", metavar="FORMAT",
-           choices=("text", "jsonl"), default="text", dest="out_format"),
-    Option(("--no-stream",), "output", "JSONL: only done and error events, one line per record.",
-           action="store_true"),
-    Option(("--one-line",), "output", "Text: newlines inside an answer become spaces, so output line N "
-           "answers input line N.", action="store_true"),
+    Option(
+        ("--out",),
+        "output",
+        "Output format: the streamed text, or JSONL events.",
+        metavar="FORMAT",
+        choices=("text", "jsonl"),
+        default="text",
+        dest="out_format",
+    ),
+    Option(
+        ("--no-stream",),
+        "output",
+        "JSONL: only done and error events, one line per record.",
+        action="store_true",
+    ),
+    Option(
+        ("--one-line",),
+        "output",
+        "Text: newlines inside an answer become spaces, so output line N answers input line N.",
+        action="store_true",
+    ),
     Option(("--stats",), "output", "Print a summary line on stderr at the end.", action="store_true"),
     Option(("-q", "--quiet"), "output", "No progress display on a terminal.", action="store_true"),
     # Model
-    Option(("-m", "--model"), "model", "A .gguf file, an MLX model folder or a Hugging Face repo id "
-           "(default: $MLXPIPE_MODEL, else the embedded SmolLM2-135M-Instruct).", metavar="MODEL"),
-    Option(("--model-info",), "model", "Print a JSON description of the model and exit.",
-           action="store_true"),
+    Option(
+        ("-m", "--model"),
+        "model",
+        "A .gguf file, an MLX model folder or a Hugging Face repo id "
+        "(default: $MLXPIPE_MODEL, else the embedded SmolLM2-135M-Instruct).",
+        metavar="MODEL",
+    ),
+    Option(
+        ("--model-info",), "model", "Print a JSON description of the model and exit.", action="store_true"
+    ),
     # General
     Option(("-h", "--help"), "general", "Show this help and exit.", action="help"),
     Option(("--version",), "general", "Show the version and exit.", action="version"),
@@ -156,7 +255,10 @@ exit status: 0 all records done, 1 some records failed, 2 usage error, 3 model c
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, built from :data:`OPTIONS`."""
     parser = argparse.ArgumentParser(
-        prog="mlxpipe", add_help=False, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="mlxpipe",
+        add_help=False,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a local language model (mlx-lm) over records from stdin or files.",
     )
     parser.add_argument("files", nargs="*", metavar="FILE", help="input files; none or - reads stdin")

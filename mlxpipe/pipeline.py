@@ -1,9 +1,9 @@
 """The Python API: records in, events out. The CLI is a thin shell over :func:`run`.
 
-    >>> from mlxpipe import Engine, run, records_from_objects
-    >>> engine = Engine.load()                                    # the embedded default model
-    >>> for event in run(records_from_objects(["Say hi."]), engine):
-    ...     print(event.to_json())
+>>> from mlxpipe import Engine, run, records_from_objects
+>>> engine = Engine.load()                                    # the embedded default model
+>>> for event in run(records_from_objects(["Say hi."]), engine):
+...     print(event.to_json())
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ def _never() -> bool:
     return False
 
 
-def run(records: Iterable[Record | BadRecord], engine: Engine,
-        should_stop: Callable[[], bool] = _never) -> Iterator[Event]:
+def run(
+    records: Iterable[Record | BadRecord], engine: Engine, should_stop: Callable[[], bool] = _never
+) -> Iterator[Event]:
     """Answer ``records`` in order, yielding chunk events and exactly one done or error event per record.
 
     A bad record becomes an :class:`Error` and the run goes on. ``should_stop`` is polled between

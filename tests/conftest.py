@@ -41,12 +41,24 @@ def cli_env(**extra: str) -> dict[str, str]:
 MLXPIPE = [sys.executable, "-m", "mlxpipe"]
 
 
-def run_cli(args: list[str], input: bytes | str | None = None, timeout: float = 300,
-            env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
+def run_cli(
+    args: list[str],
+    input: bytes | str | None = None,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> subprocess.CompletedProcess[bytes]:
     """Run ``mlxpipe ARGS`` as a real process; stdout and stderr are captured as bytes."""
     data = input.encode() if isinstance(input, str) else input
-    return subprocess.run(MLXPIPE + args, input=data, capture_output=True, timeout=timeout,
-                          env=env or cli_env(), cwd=kwargs.pop("cwd", REPO), **kwargs)
+    return subprocess.run(
+        MLXPIPE + args,
+        input=data,
+        capture_output=True,
+        timeout=timeout,
+        env=env or cli_env(),
+        cwd=kwargs.pop("cwd", REPO),
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="session")

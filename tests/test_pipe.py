@@ -7,7 +7,6 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import MLXPIPE, REPO, cli_env, run_cli
 
 pytestmark = pytest.mark.model
@@ -39,8 +38,18 @@ def test_jsonl_events_carry_every_field_and_chunks_join_to_done() -> None:
         assert set(c) == {"event", "id", "text", "tokens", "tps"}
         assert c["id"] == "q1" and isinstance(c["tokens"], int) and isinstance(c["tps"], float)
     assert [c["tokens"] for c in chunks] == sorted(c["tokens"] for c in chunks)
-    assert set(done) == {"event", "id", "text", "finish_reason", "tokens", "tps", "prompt_tokens",
-                         "prompt_tps", "peak_memory", "input"}
+    assert set(done) == {
+        "event",
+        "id",
+        "text",
+        "finish_reason",
+        "tokens",
+        "tps",
+        "prompt_tokens",
+        "prompt_tps",
+        "peak_memory",
+        "input",
+    }
     assert done["event"] == "done" and done["id"] == "q1"
     assert "".join(c["text"] for c in chunks) == done["text"]
     assert "Paris" in done["text"]
@@ -96,8 +105,10 @@ def test_unknown_flag_is_a_usage_error() -> None:
 
 def test_consumer_that_stops_reading_ends_quietly(tmp_path) -> None:
     err = tmp_path / "err"
-    script = (f"yes 'Tell me a long story about the sea.' | head -n 20 | {' '.join(MLXPIPE)} -n 100 2>{err} "
-              "| head -c 5; echo \" ${PIPESTATUS[2]}\"")
+    script = (
+        f"yes 'Tell me a long story about the sea.' | head -n 20 | {' '.join(MLXPIPE)} -n 100 2>{err} "
+        '| head -c 5; echo " ${PIPESTATUS[2]}"'
+    )
     r = subprocess.run(["bash", "-c", script], capture_output=True, env=cli_env(), cwd=REPO, timeout=300)
     out = r.stdout.decode()
     assert out.endswith(" 0\n"), out  # mlxpipe's own exit status
@@ -106,8 +117,14 @@ def test_consumer_that_stops_reading_ends_quietly(tmp_path) -> None:
 
 
 def test_answer_streams_before_stdin_closes() -> None:
-    p = subprocess.Popen(MLXPIPE + ["-n", "20"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, env=cli_env(), cwd=REPO)
+    p = subprocess.Popen(
+        [*MLXPIPE, "-n", "20"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+        cwd=REPO,
+    )
     assert p.stdin and p.stdout
     try:
         p.stdin.write(f"{PARIS}\n".encode())
@@ -133,8 +150,14 @@ def test_python_api_yields_the_same_events(engine) -> None:
 def test_sigint_ends_the_record_with_a_done_line_and_exit_130() -> None:
     import signal
 
-    p = subprocess.Popen(MLXPIPE + ["--jsonl", "-n", "200"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, env=cli_env(), cwd=REPO)
+    p = subprocess.Popen(
+        [*MLXPIPE, "--jsonl", "-n", "200"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+        cwd=REPO,
+    )
     assert p.stdin and p.stdout
     p.stdin.write(b'"Write a long story about a dragon."\n"Second."\n')
     p.stdin.close()
