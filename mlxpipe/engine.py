@@ -17,7 +17,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from . import models
 from .events import Chunk, Done
-from .io import Record, Settings
+from .io import Record
 
 
 class RecordError(ValueError):
@@ -95,6 +95,16 @@ class Engine:
             )
         return tokens
 
+    # The one place each record's sampling is decided; every generation path (sequential or batched) uses it.
+    def sampler_for(self, record: Record) -> Callable[[Any], Any]:
+        """mlx-lm's sampler for ``record``'s settings."""
+        s = record.settings
+        return make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
+
+    def processors_for(self, record: Record) -> list[Callable[[Any, Any], Any]]:
+        """mlx-lm logits processors for ``record`` (repetition penalty; later, constraints)."""
+        return list(make_logits_processors(repetition_penalty=record.settings.repetition_penalty))
+
     def generate(self, record: Record, should_stop: Callable[[], bool] = _never) -> Iterator[Chunk | Done]:
         """Stream one record: zero or more :class:`Chunk` events, then exactly one :class:`Done`.
 
@@ -112,8 +122,8 @@ class Engine:
             self.tokenizer,
             tokens,
             max_tokens=s.max_tokens,
-            sampler=_sampler(s),
-            logits_processors=_logits_processors(s),
+            sampler=self.sampler_for(record),
+            logits_processors=self.processors_for(record),
         )
         try:
             for r in responses:
@@ -139,14 +149,6 @@ class Engine:
                     return
         finally:
             responses.close()  # ends generation at once when our consumer stops early
-
-
-def _sampler(s: Settings) -> Callable[[Any], Any]:
-    return make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
-
-
-def _logits_processors(s: Settings) -> list[Callable[[Any, Any], Any]]:
-    return make_logits_processors(repetition_penalty=s.repetition_penalty)
 
 
 class StopStrings:
