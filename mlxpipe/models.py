@@ -583,7 +583,12 @@ def _tokenizer_files(gguf_path: Path, md: dict[str, Any]) -> tuple[Any, dict[str
         raise ModelError(f"unsupported GGUF pre-tokenizer {pre!r} in {gguf_path}")
 
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs: list[tuple[str, str]] = []
+    for merge in merges:
+        left, sep, right = merge.partition(" ")
+        if not sep:
+            raise ModelError(f"GGUF file {gguf_path} has a malformed tokenizer merge {merge!r}")
+        pairs.append((left, right))
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
     tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
@@ -633,8 +638,8 @@ def _tokenizer_files(gguf_path: Path, md: dict[str, Any]) -> tuple[Any, dict[str
         "model_max_length": int(md.get("llama.context_length", 2048)),
     }
     for key in ("bos", "eos", "unk", "pad"):
-        if (text := token(key)) is not None:
-            config[f"{key}_token"] = text
+        if (special := token(key)) is not None:
+            config[f"{key}_token"] = special
     if template := md.get("tokenizer.chat_template"):
         config["chat_template"] = template
     return tokenizer, config, eos_ids
@@ -658,7 +663,7 @@ def describe(source: ModelSource, folder: str) -> dict[str, Any]:
     if config is None:
         raise ModelError(f"cannot read model config: {root / 'config.json'}")
     tok_config = _read_json(root / "tokenizer_config.json") or {}
-    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    text_config: dict[str, Any] = config["text_config"] if isinstance(config.get("text_config"), dict) else {}
 
     def first(*keys: str) -> Any:
         for key in keys:
