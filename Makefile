@@ -12,7 +12,7 @@ else
 EXTRAS := cpu,test
 endif
 
-.PHONY: setup run test test-fast lint format clean
+.PHONY: setup run test test-fast lint format docs clean
 
 setup: $(STAMP)
 
@@ -27,11 +27,26 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/mlxpipe --jsonl -n 48 examples/prompts.jsonl
 
-test: setup
+# `make test` is what CI runs (.ci/run): lint first, then every test, the real-model ones included.
+test: lint
 	$(BIN)/python -m pytest -q
 
+# The quick loop while developing: no real model, a few seconds.
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not model"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+# Regenerate the man page's OPTIONS section and the README's option table from mlxpipe/options.py.
+docs: setup
+	$(BIN)/python -m mlxpipe.docs
 
 clean:
 	rm -rf $(VENV) build *.egg-info

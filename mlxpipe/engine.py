@@ -44,7 +44,8 @@ class Engine:
         source = models.resolve(spec)
         folder = models.materialize(source)
         try:
-            model, tokenizer = mlx_lm.load(folder)
+            loaded = mlx_lm.load(folder)  # typed as a 2- or 3-tuple (return_config); we ask for two
+            model, tokenizer = loaded[0], loaded[1]
         except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds; the user needs one line
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise models.ModelError(f"cannot load model {source.spec!r}: {first}") from None

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from typing import TYPE_CHECKING
 
 from .events import Error, Event
@@ -24,7 +24,7 @@ def _never() -> bool:
 
 def run(
     records: Iterable[Record | BadRecord], engine: Engine, should_stop: Callable[[], bool] = _never
-) -> Iterator[Event]:
+) -> Generator[Event, None, None]:
     """Answer ``records`` in order, yielding chunk events and exactly one done or error event per record.
 
     A bad record becomes an :class:`Error` and the run goes on. ``should_stop`` is polled between
