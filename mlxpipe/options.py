@@ -25,7 +25,10 @@ GROUPS = {
 
 @dataclass(frozen=True)
 class Option:
-    """One option: its flags, parser behaviour, and the text shown in --help, the man page and README."""
+    """One option: its flags, parser behaviour, and the text shown in --help, the man page and README.
+
+    ``help`` is shown everywhere; ``man`` is extra detail for the man page only.
+    """
 
     flags: tuple[str, ...]
     group: str
@@ -37,6 +40,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     dest: str | None = None
     const: Any = None
+    man: str = ""
 
     @property
     def name(self) -> str:
@@ -117,6 +121,8 @@ OPTIONS: tuple[Option, ...] = (
         "Build each prompt from the record: {name} is replaced by the record's "
         "field ({line} in lines mode); {{ and }} are literal braces.",
         metavar="TEXT",
+        man="A field that is not a string is inserted as JSON; a record without the field is an error. "
+        "Only plain names are allowed.",
     ),
     Option(("--template-file",), "input", "Read the --template text from FILE.", metavar="FILE"),
     Option(
@@ -231,6 +237,9 @@ OPTIONS: tuple[Option, ...] = (
         "A .gguf file, an MLX model folder or a Hugging Face repo id "
         "(default: $MLXPIPE_MODEL, else the embedded SmolLM2-135M-Instruct).",
         metavar="MODEL",
+        man="A .gguf file (llama architecture; Q4_0, Q4_1, Q8_0, F16 or F32 tensors) is converted once to an "
+        "MLX model folder, cached under $XDG_CACHE_HOME/mlxpipe. A repo id is downloaded where the network "
+        "allows.",
     ),
     Option(
         ("--model-info",), "model", "Print a JSON description of the model and exit.", action="store_true"

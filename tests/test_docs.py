@@ -1,0 +1,114 @@
+"""The documentation stays true: generated parts current, options agree everywhere, a clean man page."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli
+
+from mlxpipe import docs, events
+
+MAN = REPO / "man" / "mlxpipe.1"
+README = REPO / "README.md"
+FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*|-[a-zA-Z])(?![\w-])")
+
+
+def between(text: str, begin: str, end: str) -> str:
+    """The part of ``text`` from the line starting with ``begin`` to the next line starting with ``end``."""
+    match = re.search(rf"^{re.escape(begin)}.*?$(.*?)^{re.escape(end)}", text, re.S | re.M)
+    assert match, f"no {begin!r} ... {end!r} in the text"
+    return match.group(1)
+
+
+def help_flags() -> set[str]:
+    r = run_cli(["--help"])
+    assert r.returncode == 0
+    assert r.stderr == b""
+    option_lines = [line for line in r.stdout.decode().splitlines() if re.match(r"\s{2}-", line)]
+    return {flag for line in option_lines for flag in FLAG.findall(line.split("  ")[1])}
+
+
+def man_flags() -> set[str]:
+    section = between(MAN.read_text(), ".SH OPTIONS", ".SH ")
+    heads = re.findall(r"^\.TP\n(.*)$", section, re.M)
+    return {f for head in heads for f in FLAG.findall(head.replace("\\-", "-").replace("\\fB", " "))}
+
+
+def readme_flags() -> set[str]:
+    table = between(README.read_text(), "<!-- BEGIN GENERATED OPTIONS", "<!-- END GENERATED OPTIONS")
+    return {f for row in re.findall(r"^\| (.*?) \|", table, re.M) for f in FLAG.findall(row)}
+
+
+def test_generated_regions_are_current() -> None:
+    assert docs.stale() == [], "option docs are stale: run `python -m mlxpipe.docs` (or `make docs`)"
+
+
+def test_every_option_in_help_is_in_man_page_and_readme_and_back() -> None:
+    in_help = help_flags()
+    assert {"--max-tokens", "-n", "--jsonl", "--help", "--version"} <= in_help  # the parsing works
+    for name, found in (("man page", man_flags()), ("README", readme_flags())):
+        assert not in_help - found, f"in --help but not in the {name}: {sorted(in_help - found)}"
+        assert not found - in_help, f"in the {name} but not in --help: {sorted(found - in_help)}"
+
+
+def test_every_long_flag_the_man_page_mentions_exists() -> None:
+    text = MAN.read_text().replace("\\-", "-")
+    mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]", text))
+    assert not mentioned - help_flags(), f"the man page names unknown options: {mentioned - help_flags()}"
+
+
+def test_man_page_has_every_section_and_option_group() -> None:
+    text = MAN.read_text()
+    sections = re.findall(r'^\.SH "?([A-Z ]+?)"?$', text, re.M)
+    for needed in ("NAME", "SYNOPSIS", "DESCRIPTION", "OPTIONS", "INPUT FORMAT", "OUTPUT FORMAT"):
+        assert needed in sections
+    for needed in ("EXIT STATUS", "ENVIRONMENT", "EXAMPLES", "SEE ALSO"):
+        assert needed in sections
+    options = between(text, ".SH OPTIONS", ".SH ")
+    for group in ("Input", "Generation", "Output", "Model"):
+        assert f".SS {group}\n" in options
+    for var in ("MLXPIPE_MODEL", "NO_COLOR", "XDG_CACHE_HOME"):
+        assert f".B {var}\n" in between(text, ".SH ENVIRONMENT", ".SH ")
+    for status in ("0", "1", "2", "3", "130", "143"):
+        assert f".B {status}\n" in between(text, '.SH "EXIT STATUS"', ".SH ")
+
+
+def test_man_page_output_format_names_every_event_and_field() -> None:
+    section = between(MAN.read_text(), '.SH "OUTPUT FORMAT"', ".SH ")
+    named = set(re.findall(r"^\.BR? (\w+)", section, re.M))
+    for cls in (events.Chunk, events.Done, events.Error):
+        # Any value will do to learn the wire names: to_dict only copies (and rounds) the fields.
+        sample = cls(**{f.name: 0 for f in dataclasses.fields(cls) if f.init})
+        wire = set(sample.to_dict()) - {"event"}
+        assert cls.kind in named, f"event {cls.kind!r} missing from OUTPUT FORMAT"
+        assert not wire - named, f"{cls.kind} fields missing from OUTPUT FORMAT: {sorted(wire - named)}"
+
+
+@pytest.mark.skipif(shutil.which("groff") is None, reason="groff is not installed")
+def test_man_page_renders_without_groff_warnings() -> None:
+    r = subprocess.run(["groff", "-man", "-ww", "-z", str(MAN)], capture_output=True, text=True)
+    assert r.returncode == 0
+    assert r.stderr == ""
+
+
+def test_man_page_is_installed_with_the_package() -> None:
+    pyproject = (REPO / "pyproject.toml").read_text()
+    # A wheel puts it in <venv>/share/man/man1; `make setup` links it there for an editable install.
+    assert '"share/man/man1" = ["man/mlxpipe.1"]' in between(pyproject, "[tool.setuptools.data-files]", "[")
+
+
+@pytest.mark.skipif(shutil.which("man") is None, reason="man is not installed")
+def test_man_finds_the_page_from_the_venv() -> None:
+    # man derives its search path from PATH (<dir>/../share/man): the venv's bin is enough.
+    env = dict(os.environ, PATH=str(Path(sys.prefix) / "bin") + os.pathsep + "/usr/bin:/bin")
+    env.pop("MANPATH", None)
+    r = subprocess.run(["man", "-w", "mlxpipe"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, f"`man mlxpipe` does not find the page from {sys.prefix}: run `make setup`"
+    assert Path(r.stdout.strip()).read_text().count(".TH MLXPIPE 1 ") == 1
