@@ -172,3 +172,33 @@ def test_sigint_ends_the_record_with_a_done_line_and_exit_130() -> None:
     assert lines[-1]["event"] == "done" and lines[-1]["finish_reason"] == "interrupted"
     assert sum(e["event"] == "done" for e in lines) == 1  # the second record was never started
     assert b"Traceback" not in p.stderr.read()  # type: ignore[union-attr]
+
+
+def test_null_template_one_line_and_stats() -> None:
+    r = run_cli(
+        ["-z", "-n", "6", "--template", "Answer briefly: {line}", "--stats"], input=f"{PARIS}\0Hi\nthere\0"
+    )
+    assert r.returncode == 0
+    answers = r.stdout.split(b"\0")
+    assert len(answers) == 3 and answers[-1] == b"" and b"Paris" in answers[0]
+    assert r.stderr.decode().startswith("mlxpipe: 2 records, 0 failed, ")
+    r = run_cli(["--one-line", "-n", "30"], input="Write a two-line poem.\nSay hi.\n")
+    lines = r.stdout.decode().split("\n")
+    assert len(lines) == 3 and lines[2] == ""  # exactly one output line per input line
+
+
+def test_raw_system_and_messages() -> None:
+    recs = [
+        {"id": "raw-messages", "messages": [{"role": "user", "content": "hi"}]},
+        {"id": "raw", "prompt": "The capital of France is", "max_tokens": 3},
+    ]
+    r = run_cli(["--jsonl", "--no-stream", "--raw"], input="\n".join(json.dumps(x) for x in recs) + "\n")
+    first, second = events(r.stdout)
+    assert r.returncode == 1
+    assert first["event"] == "error" and "chat template" in first["error"]
+    assert second["event"] == "done" and second["prompt_tokens"] == 5  # no template around it
+    r = run_cli(
+        ["--out", "jsonl", "--no-stream", "-n", "20", "-s", "Always answer in French."], input=f"{PARIS}\n"
+    )
+    (done,) = events(r.stdout)
+    assert done["prompt_tokens"] > 20 and done["finish_reason"] in ("stop", "length")
