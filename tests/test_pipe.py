@@ -197,8 +197,15 @@ def test_raw_system_and_messages() -> None:
     assert r.returncode == 1
     assert first["event"] == "error" and "chat template" in first["error"]
     assert second["event"] == "done" and second["prompt_tokens"] == 5  # no template around it
-    r = run_cli(
-        ["--out", "jsonl", "--no-stream", "-n", "20", "-s", "Always answer in French."], input=f"{PARIS}\n"
-    )
-    (done,) = events(r.stdout)
-    assert done["prompt_tokens"] > 20 and done["finish_reason"] in ("stop", "length")
+
+
+def test_system_prompt_goes_into_the_chat_template(engine) -> None:
+    from dataclasses import replace
+
+    from mlxpipe.io import records_from_objects
+
+    (rec,) = records_from_objects([PARIS])
+    with_system = replace(rec, settings=replace(rec.settings, system="Always answer in French."))
+    text = engine.tokenizer.decode(engine.encode(with_system))
+    assert "Always answer in French." in text and PARIS in text
+    assert "Always answer in French." not in engine.tokenizer.decode(engine.encode(rec))
