@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -53,8 +54,11 @@ class Interrupts:
     def guard(self, records: Iterable[io.Record | io.BadRecord]) -> Iterator[io.Record | io.BadRecord]:
         """Mark the time spent waiting for input, so a signal then needs no record to finish."""
         it = iter(records)
+        # Only the main thread can be interrupted this way; --batch reads on a helper thread instead
+        # and the pipeline polls the flag while it waits.
+        main = threading.current_thread() is threading.main_thread()
         while True:
-            self.reading = True
+            self.reading = main
             try:
                 record = next(it)
             except StopIteration:
@@ -126,17 +130,24 @@ class Renderer:
         self.out.flush()
 
 
-def _inputs(files: list[str]) -> Iterator[tuple[str, IO[bytes]]]:
+def _inputs(files: list[str], private_stdin: bool = False) -> Iterator[tuple[str, IO[bytes]]]:
     for name in files or ["-"]:
-        if name == "-":
+        if name == "-" and private_stdin:
+            # A reader thread still blocked on sys.stdin at exit makes Python abort at shutdown
+            # ("could not acquire lock"); a private reader of the same descriptor is not finalized.
+            with open(sys.stdin.fileno(), "rb", closefd=False) as stdin:
+                yield io.STDIN, stdin
+        elif name == "-":
             yield io.STDIN, sys.stdin.buffer
         else:
             with open(name, "rb") as f:
                 yield name, f
 
 
-def _records(files: list[str], reader: io.RecordReader) -> Iterator[io.Record | io.BadRecord]:
-    for name, stream in _inputs(files):
+def _records(
+    files: list[str], reader: io.RecordReader, private_stdin: bool = False
+) -> Iterator[io.Record | io.BadRecord]:
+    for name, stream in _inputs(files, private_stdin):
         yield from reader.read(name, stream)
 
 
@@ -194,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.jsonl:
         args.in_format = args.out_format = "jsonl"
     try:
+        if args.unordered and args.out_format != "jsonl":
+            raise io.UsageError("--unordered needs JSONL output (--out jsonl): text lines carry no id")
         template = _template(args)
         _check_files(args.files)
     except io.UsageError as exc:
@@ -232,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             null=args.null,
         )
         started = time.perf_counter()
-        events = run(interrupts.guard(_records(args.files, reader)), engine, interrupts)
+        engine.reuse_prefix = not args.no_prefix_cache
+        records = interrupts.guard(_records(args.files, reader, private_stdin=args.batch > 1))
+        events = run(records, engine, interrupts, batch=args.batch, ordered=not args.unordered)
         try:
             for event in events:
                 stats.add(event)

@@ -2,22 +2,39 @@
 
 Layering follows mlx-lm's own: ``stream_generate`` yields token-level responses; :meth:`Engine.generate`
 adds what a pipe needs on top (chat templates, per-record sampling and seeds, stop strings held back
-until decided, interruption) and yields :mod:`mlxpipe.events`.
+until decided, interruption) and yields :mod:`mlxpipe.events`. :meth:`Engine.batch` does the same for
+many records at once through mlx-lm's ``BatchGenerator`` (continuous batching).
+
+Shared prefixes: a record's prompt is split into the part that does not depend on its own content
+(chat template, system prompt, the literal text before a ``--template``'s first field) and the rest.
+The first part's KV cache is computed once and reused (see :meth:`Engine.prefix_for`). The split depends
+only on the record itself, never on its neighbours, so an answer does not change with what came before.
 """
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.generate import TextStateMachine
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.generate import BatchGenerator, TextStateMachine
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from . import models
 from .events import Chunk, Done
 from .io import Record
+
+Sampler = Callable[[Any], Any]
+Processor = Callable[[Any, Any], Any]
+
+MIN_PREFIX_TOKENS = 16  # shorter shared prefixes are not worth a cache entry
+PREFIX_CACHE_ENTRIES = 4  # distinct prefixes kept (system prompts / templates in one run); LRU
+_PROBES = ("\ue000", "\ue001")  # private-use characters: no prompt's own text tokenizes like them
 
 
 class RecordError(ValueError):
@@ -37,6 +54,9 @@ class Engine:
         self.source = source
         self.folder = folder
         self.context_length = int(models.describe(source, folder).get("context_length") or 0)
+        self.reuse_prefix = True
+        self._prefixes: OrderedDict[tuple[int, ...], list[Any]] = OrderedDict()
+        self._probed: OrderedDict[Any, tuple[int, ...]] = OrderedDict()
 
     @classmethod
     def load(cls, spec: str | None = None) -> Engine:
@@ -61,6 +81,10 @@ class Engine:
 
     def encode(self, record: Record) -> list[int]:
         """The prompt tokens for ``record``: chat template applied unless ``raw`` or the model has none."""
+        return self._checked(self._tokens(record))
+
+    def _tokens(self, record: Record, content: str | None = None) -> list[int]:
+        """``record``'s prompt tokens; ``content`` replaces its own text (the last message's content)."""
         s = record.settings
         tok = self.tokenizer
         use_template = tok.has_chat_template and not s.raw
@@ -68,14 +92,16 @@ class Engine:
             if not use_template:
                 raise RecordError("'messages' need a chat template (the model has none, or --raw was given)")
             messages = [dict(m) for m in record.messages]
+            if content is not None and messages:
+                messages[-1]["content"] = content
         elif use_template:
-            messages = [{"role": "user", "content": record.prompt or ""}]
+            messages = [{"role": "user", "content": (record.prompt or "") if content is None else content}]
         else:
-            prompt = record.prompt or ""
+            prompt = (record.prompt or "") if content is None else content
             tokens: list[int] = tok.encode(
                 prompt, add_special_tokens=tok.bos_token is None or not prompt.startswith(tok.bos_token)
             )
-            return self._checked(tokens)
+            return tokens
         if s.system is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": s.system})
         try:
@@ -84,7 +110,7 @@ class Engine:
             )
         except Exception as exc:  # jinja errors from the model's own template
             raise RecordError(f"chat template failed: {exc}") from None
-        return self._checked(list(tokens))
+        return list(tokens)
 
     def _checked(self, tokens: list[int]) -> list[int]:
         if not tokens:
@@ -97,14 +123,76 @@ class Engine:
         return tokens
 
     # The one place each record's sampling is decided; every generation path (sequential or batched) uses it.
-    def sampler_for(self, record: Record) -> Callable[[Any], Any]:
-        """mlx-lm's sampler for ``record``'s settings."""
-        s = record.settings
-        return make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
+    def sampler_for(self, record: Record) -> Sampler:
+        """mlx-lm's sampler for ``record``'s settings.
 
-    def processors_for(self, record: Record) -> list[Callable[[Any, Any], Any]]:
+        With a seed, the sampler carries its own PRNG key, so the record's draws do not depend on other
+        records sampled before it or beside it in a batch.
+        """
+        s = record.settings
+        if s.temperature == 0 or s.seed is None:
+            return make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
+        return _SeededSampler(s.seed, s.temperature, s.top_p, s.min_p, s.top_k)
+
+    def processors_for(self, record: Record) -> list[Processor]:
         """mlx-lm logits processors for ``record`` (repetition penalty; later, constraints)."""
         return list(make_logits_processors(repetition_penalty=record.settings.repetition_penalty))
+
+    # -----------------------------------------------------------------------------------------
+    # Shared prefixes
+
+    def prefix_for(self, record: Record, tokens: list[int]) -> tuple[int, list[Any] | None]:
+        """How many of ``tokens`` come from a cached prefix, and a private copy of that prefix's KV cache.
+
+        The prefix is the part of the prompt that does not depend on the record's own text: the chat
+        template's opening, the system prompt, earlier messages and ``record.lead``. It is found by
+        rendering the record with two different probe texts in place of its own and taking the common
+        tokens (so BPE merges at the boundary are respected). ``(0, None)`` when there is none worth reusing.
+        """
+        if not self.reuse_prefix:
+            return 0, None
+        probe = self._probe(record)
+        n = 0
+        limit = min(len(probe), len(tokens) - 1)  # at least one token must remain to start generation
+        while n < limit and probe[n] == tokens[n]:
+            n += 1
+        if n < MIN_PREFIX_TOKENS:
+            return 0, None
+        key = tuple(tokens[:n])
+        cache = self._prefixes.get(key)
+        if cache is None:
+            cache = make_prompt_cache(self.model)
+            if not all(type(c) is KVCache for c in cache):
+                return 0, None  # sliding-window or recurrent caches cannot be shared by slicing
+            for start in range(0, n, 2048):
+                self.model(mx.array(key[start : start + 2048])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+            self._prefixes[key] = cache
+            if len(self._prefixes) > PREFIX_CACHE_ENTRIES:
+                self._prefixes.popitem(last=False)
+        self._prefixes.move_to_end(key)
+        return n, [_copy_kv(c, n) for c in cache]
+
+    def _probe(self, record: Record) -> tuple[int, ...]:
+        s = record.settings
+        messages = tuple(tuple(sorted(m.items())) for m in record.messages[:-1]) if record.messages else None
+        key = (s.system, s.raw, repr(sorted(s.chat_template_args.items())), record.lead, messages)
+        found = self._probed.get(key)
+        if found is None:
+            try:
+                a, b = (self._tokens(record, record.lead + p) for p in _PROBES)
+            except RecordError:
+                a = b = []
+            n = 0
+            while n < min(len(a), len(b)) and a[n] == b[n]:
+                n += 1
+            found = tuple(a[:n])
+            self._probed[key] = found
+            if len(self._probed) > 64:
+                self._probed.popitem(last=False)
+        return found
+
+    # -----------------------------------------------------------------------------------------
 
     def generate(self, record: Record, should_stop: Callable[[], bool] = _never) -> Iterator[Chunk | Done]:
         """Stream one record: zero or more :class:`Chunk` events, then exactly one :class:`Done`.
@@ -114,20 +202,24 @@ class Engine:
         """
         s = record.settings
         tokens = self.encode(record)
-        if s.seed is not None:
-            mx.random.seed(s.seed)  # per record, so an answer does not depend on its position in the input
+        started = time.perf_counter()
+        cached, cache = self.prefix_for(record, tokens)
         stops = StopStrings(s.stop)
         text: list[str] = []
         responses = mlx_lm.stream_generate(
             self.model,
             self.tokenizer,
-            tokens,
+            tokens[cached:],
             max_tokens=s.max_tokens,
             sampler=self.sampler_for(record),
             logits_processors=self.processors_for(record),
+            prompt_cache=cache,
         )
+        prompt_tps = 0.0
         try:
             for r in responses:
+                if r.generation_tokens == 1:  # the whole prompt, the reused prefix included, over its time
+                    prompt_tps = len(tokens) / max(time.perf_counter() - started, 1e-9)
                 segment, finish = stops.feed(r.text, r.finish_reason)
                 if finish is None and should_stop():
                     segment, finish = segment + stops.flush(), "interrupted"
@@ -142,14 +234,177 @@ class Engine:
                         finish,
                         r.generation_tokens,
                         r.generation_tps,
-                        r.prompt_tokens,
-                        r.prompt_tps,
+                        len(tokens),
+                        prompt_tps,
                         int(r.peak_memory * 1e9),
                         record.input,
                     )
                     return
         finally:
             responses.close()  # ends generation at once when our consumer stops early
+
+    def batch(self, size: int) -> Batch:
+        """A :class:`Batch` of up to ``size`` records generating together."""
+        return Batch(self, size)
+
+
+def _copy_kv(cache: Any, n: int) -> Any:
+    """A KV cache holding the first ``n`` positions of ``cache``; its first update allocates new memory,
+    so the shared original is never written."""
+    copy = KVCache()
+    copy.keys = cache.keys[..., :n, :]
+    copy.values = cache.values[..., :n, :]
+    copy.offset = n
+    return copy
+
+
+class _SeededSampler:
+    """mlx-lm's sampling chain (top-p, min-p, top-k, then temperature) drawing from its own PRNG key."""
+
+    def __init__(self, seed: int, temp: float, top_p: float, min_p: float, top_k: int) -> None:
+        self.key = mx.random.key(seed)
+        self.temp, self.top_p, self.min_p, self.top_k = temp, top_p, min_p, top_k
+
+    def __call__(self, logprobs: Any) -> Any:
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, self.min_p, 1)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        self.key, draw = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1.0 / self.temp), key=draw)
+
+
+@dataclass
+class _Slot:
+    """One record in a batch: everything the sequential path keeps for it."""
+
+    record: Record
+    detokenizer: Any
+    stops: StopStrings
+    prompt_tokens: int
+    inserted: float
+    first: float = 0.0
+    prompt_tps: float = 0.0
+    tokens: int = 0
+    text: list[str] = field(default_factory=list)
+
+
+class Batch:
+    """Records generating together through mlx-lm's ``BatchGenerator`` (continuous batching).
+
+    :meth:`add` a record whenever a slot is free; :meth:`step` advances every record by one token and
+    returns the events that produced, in the same form as :meth:`Engine.generate` (per record: chunks,
+    then one done). Each record keeps its own detokenizer, sampler, stop strings, max tokens and counts.
+    """
+
+    def __init__(self, engine: Engine, size: int) -> None:
+        self.engine = engine
+        self.size = size
+        self._eos = set(engine.tokenizer.eos_token_ids)
+        self._gen = BatchGenerator(
+            engine.model,
+            stop_tokens=[[t] for t in sorted(self._eos)],
+            completion_batch_size=size,
+            prefill_batch_size=size,
+        )
+        self._slots: dict[int, _Slot] = {}
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def add(self, record: Record) -> None:
+        """Start ``record``; raises :class:`RecordError` when it cannot be answered."""
+        s = record.settings
+        tokens = self.engine.encode(record)
+        inserted = time.perf_counter()
+        cached, cache = self.engine.prefix_for(record, tokens)
+        (uid,) = self._gen.insert(
+            [tokens[cached:]],
+            max_tokens=[s.max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[tokens[:cached]],  # logits processors see the whole prompt, as in sequential mode
+            samplers=[self.engine.sampler_for(record)],
+            logits_processors=[self.engine.processors_for(record)],
+        )
+        detokenizer = self.engine.tokenizer.detokenizer  # a fresh copy per record
+        self._slots[uid] = _Slot(record, detokenizer, StopStrings(s.stop), len(tokens), inserted)
+
+    def step(self) -> list[Chunk | Done]:
+        """Generate one token for every record in flight; return the resulting events."""
+        events: list[Chunk | Done] = []
+        ended: list[int] = []
+        for r in self._gen.next_generated():
+            slot = self._slots[r.uid]
+            now = time.perf_counter()
+            slot.tokens += 1
+            if slot.tokens == 1:
+                slot.first = now
+                slot.prompt_tps = slot.prompt_tokens / max(now - slot.inserted, 1e-9)
+            if r.finish_reason == "stop" and r.token in self._eos:
+                finish: str | None = "stop"  # the EOS token's text is not emitted, as in stream_generate
+            else:
+                slot.detokenizer.add_token(r.token)
+                finish = r.finish_reason
+            if finish is not None:
+                slot.detokenizer.finalize()
+            segment, finish = slot.stops.feed(slot.detokenizer.last_segment, finish)
+            events.extend(self._emit(r.uid, slot, segment, finish, now))
+            if finish is not None and r.finish_reason is None:
+                ended.append(r.uid)  # a stop string ended it; BatchGenerator would go on
+        if ended:
+            self._gen.remove(ended)
+        return events
+
+    def interrupt(self) -> list[Chunk | Done]:
+        """End every record in flight as "interrupted", oldest first."""
+        events: list[Chunk | Done] = []
+        now = time.perf_counter()
+        self._gen.remove(list(self._slots))
+        for uid, slot in sorted(self._slots.items(), key=lambda item: item[1].record.index):
+            slot.detokenizer.finalize()
+            segment, finish = slot.stops.feed(slot.detokenizer.last_segment, None)
+            if finish is None:
+                segment, finish = segment + slot.stops.flush(), "interrupted"
+            events.extend(self._emit(uid, slot, segment, finish, now))
+        self.close()
+        return events
+
+    def close(self) -> None:
+        """Drop every record in flight and release the generator."""
+        if self._slots:
+            self._gen.remove(list(self._slots))
+            self._slots.clear()
+        self._gen.close()
+
+    def _emit(
+        self, uid: int, slot: _Slot, segment: str, finish: str | None, now: float
+    ) -> list[Chunk | Done]:
+        rec = slot.record
+        tps = slot.tokens / max(now - slot.first, 1e-9) if slot.tokens else 0.0
+        events: list[Chunk | Done] = []
+        if segment:
+            slot.text.append(segment)
+            events.append(Chunk(rec.index, rec.id, segment, slot.tokens, tps))
+        if finish is not None:
+            peak = int(mx.get_peak_memory())
+            events.append(
+                Done(
+                    rec.index,
+                    rec.id,
+                    "".join(slot.text),
+                    finish,
+                    slot.tokens,
+                    tps,
+                    slot.prompt_tokens,
+                    slot.prompt_tps,
+                    peak,
+                    rec.input,
+                )
+            )
+            del self._slots[uid]
+        return events
 
 
 class StopStrings:

@@ -53,6 +53,7 @@ class Record:
     settings: Settings
     prompt: str | None = None
     messages: tuple[Mapping[str, str], ...] | None = None
+    lead: str = ""  # start of ``prompt`` shared by all records: a template's text before its first field
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,16 @@ class Template:
                 )
             parts.append((literal, name))
         return cls(tuple(parts))
+
+    @property
+    def lead(self) -> str:
+        """The literal text before the first field: the same at the start of every rendered prompt."""
+        out = []
+        for literal, name in self.parts:
+            out.append(literal)
+            if name is not None:
+                break
+        return "".join(out)
 
     @property
     def fields(self) -> list[str]:
@@ -247,14 +258,16 @@ class RecordReader:
             return BadRecord(index, name, line, index, f"invalid UTF-8 at byte {exc.start}")
         except ValueError as exc:
             return BadRecord(index, name, line, index, str(exc))
+        lead = ""
         if self.fmt.template is not None:
             try:
                 text = self.fmt.template.render({"line": text})
+                lead = self.fmt.template.lead
             except KeyError as exc:
                 return BadRecord(
                     index, name, line, index, f"template field {exc} is not available in lines mode"
                 )
-        return Record(index, name, line, index, text, self.settings, prompt=text)
+        return Record(index, name, line, index, text, self.settings, prompt=text, lead=lead)
 
     def _from_json(self, name: str, line: int, raw: bytes) -> Record | BadRecord:
         index = self.count
@@ -282,8 +295,9 @@ class RecordReader:
             settings = settings_from_object(obj_fields, self.settings)
             if self.fmt.template is not None:
                 try:
+                    rendered = self.fmt.template.render(obj_fields)
                     return Record(
-                        index, name, line, rid, obj, settings, prompt=self.fmt.template.render(obj_fields)
+                        index, name, line, rid, obj, settings, prompt=rendered, lead=self.fmt.template.lead
                     )
                 except KeyError as exc:
                     raise ValueError(f"record has no field {exc} for the template") from None

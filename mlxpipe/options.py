@@ -206,6 +206,21 @@ OPTIONS: tuple[Option, ...] = (
         metavar="STR",
         action="append",
     ),
+    Option(
+        ("-b", "--batch"),
+        "generation",
+        "Generate up to N records at once (continuous batching); output stays in input order "
+        "(default: 1, one record after another).",
+        metavar="N",
+        type=positive_int,
+        default=1,
+    ),
+    Option(
+        ("--no-prefix-cache",),
+        "generation",
+        "Do not reuse the KV cache of the prompt start that records share (system prompt, template).",
+        action="store_true",
+    ),
     # Output
     Option(
         ("--out",),
@@ -226,6 +241,12 @@ OPTIONS: tuple[Option, ...] = (
         ("--one-line",),
         "output",
         "Text: newlines inside an answer become spaces, so output line N answers input line N.",
+        action="store_true",
+    ),
+    Option(
+        ("--unordered",),
+        "output",
+        "With --batch and JSONL output: write events as they come instead of in input order.",
         action="store_true",
     ),
     Option(("--stats",), "output", "Print a summary line on stderr at the end.", action="store_true"),

@@ -4,18 +4,27 @@
 >>> engine = Engine.load()                                    # the embedded default model
 >>> for event in run(records_from_objects(["Say hi."]), engine):
 ...     print(event.to_json())
+
+With ``batch=N`` up to N records generate together (continuous batching). Their events are put back
+into input order here (the oldest record streams live, later ones are held until its turn), unless
+``ordered=False``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from .events import Error, Event
+from .events import FINAL_EVENTS, Error, Event
 from .io import BadRecord, Record
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+POLL_SECONDS = 0.1  # how often a wait for input checks should_stop
 
 
 def _never() -> bool:
@@ -23,14 +32,23 @@ def _never() -> bool:
 
 
 def run(
-    records: Iterable[Record | BadRecord], engine: Engine, should_stop: Callable[[], bool] = _never
+    records: Iterable[Record | BadRecord],
+    engine: Engine,
+    should_stop: Callable[[], bool] = _never,
+    *,
+    batch: int = 1,
+    ordered: bool = True,
 ) -> Generator[Event, None, None]:
-    """Answer ``records`` in order, yielding chunk events and exactly one done or error event per record.
+    """Answer ``records``, yielding chunk events and exactly one done or error event per record.
 
     A bad record becomes an :class:`Error` and the run goes on. ``should_stop`` is polled between
-    tokens and between records: once true, the record in flight ends as "interrupted" and no
-    further record is read.
+    tokens and between records: once true, the records in flight end as "interrupted" and no
+    further record is read. ``batch`` > 1 generates up to that many records at once; events stay in
+    input order unless ``ordered`` is false (then they come as produced; each carries its id).
     """
+    if batch > 1:
+        yield from _run_batched(records, engine, should_stop, batch, ordered)
+        return
     from .engine import RecordError
 
     for record in records:
@@ -43,3 +61,157 @@ def run(
             yield from engine.generate(record, should_stop)
         except RecordError as exc:
             yield Error(record.index, record.id, record.file, record.line, str(exc))
+
+
+def _run_batched(
+    records: Iterable[Record | BadRecord],
+    engine: Engine,
+    should_stop: Callable[[], bool],
+    size: int,
+    ordered: bool,
+) -> Generator[Event, None, None]:
+    from .engine import RecordError
+
+    # Read-ahead is bounded: `size` records queued, `size` in flight and, in order mode, at most `size`
+    # finished ones held behind a slower older record.
+    feed = _Prefetch(records, size)
+    order = _InputOrder() if ordered else None
+    session = engine.batch(size)
+
+    def emit(events: Iterable[Event]) -> Iterator[Event]:
+        for event in events:
+            if order is None:
+                yield event
+            else:
+                yield from order.push(event)
+
+    try:
+        while True:
+            while len(session) < size and (order is None or len(order) < 2 * size):
+                # Wait for input only when nothing is in flight; otherwise take what has arrived.
+                item = feed.get(block=len(session) == 0, should_stop=should_stop)
+                if item is None:
+                    break
+                if order is not None:
+                    order.admit(item.index)
+                if isinstance(item, BadRecord):
+                    yield from emit([Error(item.index, item.id, item.file, item.line, item.error)])
+                    continue
+                try:
+                    session.add(item)
+                except RecordError as exc:
+                    yield from emit([Error(item.index, item.id, item.file, item.line, str(exc))])
+            if should_stop():
+                yield from emit(session.interrupt())
+                return
+            if len(session) == 0:
+                if feed.done:
+                    return
+                continue
+            yield from emit(session.step())
+    finally:
+        session.close()
+        feed.close()
+
+
+class _InputOrder:
+    """Puts interleaved events back into input order: the oldest unfinished record's events pass at once,
+    a later record's are held until every record before it has ended."""
+
+    def __init__(self) -> None:
+        self._queue: deque[int] = deque()  # indices of records not yet fully written, in input order
+        self._held: dict[int, list[Event]] = {}
+        self._ended: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def admit(self, index: int) -> None:
+        """Note that record ``index`` comes next in the input."""
+        self._queue.append(index)
+        self._held[index] = []
+
+    def push(self, event: Event) -> Iterator[Event]:
+        """Take one event; yield the events that may be written now."""
+        if event.index != self._queue[0]:
+            self._held[event.index].append(event)
+            if isinstance(event, FINAL_EVENTS):
+                self._ended.add(event.index)
+            return
+        yield event
+        if not isinstance(event, FINAL_EVENTS):
+            return
+        self._queue.popleft()
+        del self._held[event.index]
+        while self._queue:  # the next record becomes the live one: release what it has so far
+            head = self._queue[0]
+            yield from self._held[head]
+            self._held[head] = []
+            if head not in self._ended:
+                return
+            self._ended.discard(head)
+            self._queue.popleft()
+            del self._held[head]
+
+
+_END = object()
+
+
+class _Failed:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _Prefetch:
+    """Reads records on a helper thread into a bounded queue, so that a free slot is refilled with
+    whatever input has arrived without blocking the records already generating."""
+
+    def __init__(self, records: Iterable[Record | BadRecord], size: int) -> None:
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=size)
+        self._closed = False
+        self.done = False
+        self._thread = threading.Thread(
+            target=self._pump, args=(iter(records),), name="mlxpipe-reader", daemon=True
+        )
+        self._thread.start()
+
+    def _pump(self, records: Iterator[Record | BadRecord]) -> None:
+        try:
+            for record in records:
+                self._queue.put(record)
+                if self._closed:
+                    return
+        except BaseException as exc:  # re-raised on the main thread, where the caller can see it
+            self._queue.put(_Failed(exc))
+            return
+        if not self._closed:
+            self._queue.put(_END)
+
+    def get(self, *, block: bool, should_stop: Callable[[], bool]) -> Record | BadRecord | None:
+        """The next record; ``None`` at the end of input, when none has arrived (``block`` false) or
+        when ``should_stop`` turned true while waiting."""
+        while not self.done:
+            try:
+                item = self._queue.get(timeout=POLL_SECONDS) if block else self._queue.get_nowait()
+            except queue.Empty:
+                if block and not should_stop():
+                    continue
+                return None
+            if item is _END:
+                self.done = True
+                return None
+            if isinstance(item, _Failed):
+                self.done = True
+                raise item.exc
+            assert isinstance(item, (Record, BadRecord))
+            return item
+        return None
+
+    def close(self) -> None:
+        """Stop reading: unblock the helper thread if it waits for room in the queue."""
+        self._closed = True
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return

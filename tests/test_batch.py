@@ -1,0 +1,173 @@
+"""--batch: continuous batching on the real embedded model, and the input-order buffer (issue 6)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import pytest
+from conftest import MLXPIPE, REPO, cli_env, run_cli
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlxpipe.events import Chunk, Done, Error
+from mlxpipe.pipeline import _InputOrder
+
+PARIS = "What is the capital of France?"
+PROMPTS = [PARIS, "Say hello.", "Name three colours.", "What is 2+2?", "Name a fruit."]
+
+
+def events(stdout: bytes) -> list[dict]:
+    return [json.loads(line) for line in stdout.decode().splitlines()]
+
+
+def finals(evs: list[dict]) -> list[dict]:
+    return [e for e in evs if e["event"] in ("done", "error")]
+
+
+def grouped_in_order(evs: list[dict]) -> bool:
+    """Every record's events are contiguous and records follow each other in input order."""
+    ids = [e["id"] for e in evs]
+    runs = [i for n, i in enumerate(ids) if n == 0 or ids[n - 1] != i]
+    return len(runs) == len(set(runs)) and all(e["event"] in ("done", "error") for e in finals(evs))
+
+
+@pytest.mark.model
+def test_batch_matches_sequential_greedy_and_keeps_order() -> None:
+    lines = "".join(json.dumps({"id": f"r{n}", "prompt": p}) + "\n" for n, p in enumerate(PROMPTS))
+    seq = events(run_cli(["--jsonl", "-n", "8"], input=lines).stdout)
+    r = run_cli(["--jsonl", "-n", "8", "--batch", "4"], input=lines)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    bat = events(r.stdout)
+    assert grouped_in_order(bat)
+    assert [e["id"] for e in finals(bat)] == [f"r{n}" for n in range(len(PROMPTS))]
+    assert [e["text"] for e in finals(bat)] == [e["text"] for e in finals(seq)]
+    for done in finals(bat):
+        chunks = [e for e in bat if e["id"] == done["id"] and e["event"] == "chunk"]
+        assert "".join(c["text"] for c in chunks) == done["text"]
+        assert [c["tokens"] for c in chunks] == sorted(c["tokens"] for c in chunks)
+        assert done["prompt_tokens"] > 5 and done["tokens"] <= 8 and done["peak_memory"] > 1_000_000
+    assert "Paris" in finals(bat)[0]["text"]
+
+
+@pytest.mark.model
+def test_batch_per_record_stop_max_tokens_and_bad_records() -> None:
+    lines = [
+        json.dumps({"id": "long", "prompt": "Write a long story about a dragon.", "max_tokens": 3}),
+        '{"id": "broken", "prompt": ',
+        json.dumps({"id": "cut", "prompt": PARIS, "stop": ["Paris."]}),
+        json.dumps({"id": "huge", "prompt": "word " * 9000}),  # longer than the model's context
+        json.dumps({"id": "free", "prompt": PARIS}),
+    ]
+    r = run_cli(["--jsonl", "-n", "20", "--batch", "8"], input="\n".join(lines) + "\n")
+    assert r.returncode == 1  # two records failed, the others were done
+    evs = events(r.stdout)
+    assert grouped_in_order(evs)
+    out = finals(evs)
+    assert [e["id"] for e in out] == ["long", 2, "cut", "huge", "free"]
+    assert [e["event"] for e in out] == ["done", "error", "done", "error", "done"]
+    assert out[0]["finish_reason"] == "length" and out[0]["tokens"] == 3
+    assert out[1]["line"] == 2 and "invalid json" in out[1]["error"]
+    assert out[2]["finish_reason"] == "stop" and out[2]["text"] == "The capital of France is "
+    assert "Par" not in "".join(e["text"] for e in evs if e["id"] == "cut" and e["event"] == "chunk")
+    assert out[3]["line"] == 4 and "context" in out[3]["error"]
+    assert out[4]["finish_reason"] == "stop" and "Paris." in out[4]["text"]
+    err = [e for e in r.stderr.decode().splitlines() if e.startswith("mlxpipe:")]
+    assert [e.split(":")[:2] for e in err] == [["mlxpipe", " error (at <stdin>"]] * 2
+
+
+@pytest.mark.model
+def test_unordered_ids_are_complete() -> None:
+    recs = [{"id": n, "prompt": p, "max_tokens": 12 if n == 0 else 2} for n, p in enumerate(PROMPTS)]
+    r = run_cli(["--jsonl", "--batch", "3", "--unordered"], input="".join(json.dumps(x) + "\n" for x in recs))
+    assert r.returncode == 0, r.stderr
+    evs = events(r.stdout)
+    out = finals(evs)
+    assert sorted(e["id"] for e in out) == list(range(len(PROMPTS)))
+    assert out[-1]["id"] == 0  # the long first record finished after the short ones behind it
+    for done in out:
+        assert (
+            "".join(e["text"] for e in evs if e["id"] == done["id"] and e["event"] == "chunk") == done["text"]
+        )
+
+
+def test_unordered_needs_jsonl_output() -> None:
+    r = run_cli(["--batch", "2", "--unordered"], input="hi\n")
+    assert r.returncode == 2 and b"--unordered needs JSONL output" in r.stderr
+
+
+@pytest.mark.model
+def test_seeded_sampling_does_not_depend_on_batch_neighbours() -> None:
+    prompt = "Invent a name for a cat."
+    args = ["--out", "jsonl", "--no-stream", "--temp", "1.0", "--seed", "7", "-n", "6"]
+    batched = events(run_cli([*args, "--batch", "4"], input=f"Say something.\n{prompt}\n{prompt}\n").stdout)
+    alone = events(run_cli(args, input=f"{prompt}\n").stdout)
+    assert batched[1]["text"] == batched[2]["text"] == alone[0]["text"]
+
+
+@pytest.mark.model
+def test_sigint_interrupts_every_record_in_flight_in_order() -> None:
+    p = subprocess.Popen(
+        [*MLXPIPE, "--jsonl", "-n", "200", "--batch", "4"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+        cwd=REPO,
+    )
+    assert p.stdin and p.stdout and p.stderr
+    p.stdin.write(b'"Write a long story about a dragon."\n"Tell me about the sea."\n"Describe a forest."\n')
+    p.stdin.flush()  # stdin stays open: the records in flight must not wait for more input
+    first = p.stdout.readline()
+    assert json.loads(first)["event"] == "chunk"
+    p.send_signal(signal.SIGINT)
+    rest = p.stdout.read()
+    p.wait(timeout=60)
+    p.stdin.close()
+    assert p.returncode == 130
+    evs = events(first + rest)
+    out = finals(evs)
+    assert [e["id"] for e in out] == [1, 2, 3]
+    assert [e["finish_reason"] for e in out] == ["interrupted"] * 3
+    assert grouped_in_order(evs)
+    assert p.stderr.read() == b""
+
+
+@pytest.mark.model
+def test_shared_prefix_reuse_gives_the_same_answers() -> None:
+    system = "You are a terse geography assistant. " * 6
+    args = ["--out", "jsonl", "--no-stream", "-n", "8", "--system", system]
+    text = f"{PARIS}\nWhat is the capital of Italy?\n"
+    reused = events(run_cli([*args, "--batch", "2"], input=text).stdout)
+    plain = events(run_cli([*args, "--no-prefix-cache"], input=text).stdout)
+    assert [e["text"] for e in reused] == [e["text"] for e in plain]
+    assert reused[0]["prompt_tokens"] == plain[0]["prompt_tokens"] > 60
+
+
+# ---------------------------------------------------------------------------------------------
+# The ordering buffer alone (no model)
+
+
+@given(st.lists(st.integers(min_value=0, max_value=4), min_size=1, max_size=5), st.randoms())
+def test_input_order_regroups_any_interleaving(lengths: list[int], rnd) -> None:
+    streams = []
+    for index, n in enumerate(lengths, 1):
+        chunks = [Chunk(index, index, f"{index}.{k}", k, 1.0) for k in range(n)]
+        end = (
+            Error(index, index, "f", index, "bad")
+            if n == 0
+            else Done(index, index, "", "stop", n, 1, 1, 1, 1, None)
+        )
+        streams.append([*chunks, end])
+    order = _InputOrder()
+    for index in range(1, len(lengths) + 1):
+        order.admit(index)
+    out = []
+    cursors = [0] * len(streams)
+    while any(c < len(s) for c, s in zip(cursors, streams, strict=True)):  # random interleaving
+        i = rnd.choice([i for i, s in enumerate(streams) if cursors[i] < len(s)])
+        out.extend(order.push(streams[i][cursors[i]]))
+        cursors[i] += 1
+    assert out == [e for s in streams for e in s]
+    assert len(order) == 0
