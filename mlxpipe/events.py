@@ -20,7 +20,9 @@ ignore what they do not know.
 
 ``id`` is the record's own ``id`` field when it has one, else its 1-based record number.
 ``tokens`` counts generated tokens so far (the EOS token included, as mlx-lm counts them);
-``tps`` is generation tokens per second. ``finish_reason`` is "stop" on EOS or a stop string,
+``tps`` is generation tokens per second. ``prompt_tokens`` is the whole prompt; ``prompt_tps`` is
+``prompt_tokens`` over the time to the first token (a reused shared prefix counts as processed, so it
+shows the saving; under ``--batch`` the time includes waiting for the batch's step). ``finish_reason`` is "stop" on EOS or a stop string,
 "length" at max tokens, "interrupted" when SIGINT or SIGTERM ended the record early.
 """
 
