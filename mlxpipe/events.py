@@ -22,8 +22,9 @@ ignore what they do not know.
 ``tokens`` counts generated tokens so far (the EOS token included, as mlx-lm counts them);
 ``tps`` is generation tokens per second. ``prompt_tokens`` is the whole prompt; ``prompt_tps`` is
 ``prompt_tokens`` over the time to the first token (a reused shared prefix counts as processed, so it
-shows the saving; under ``--batch`` the time includes waiting for the batch's step). ``finish_reason`` is "stop" on EOS or a stop string,
-"length" at max tokens, "interrupted" when SIGINT or SIGTERM ended the record early.
+shows the saving; under ``--batch`` the time includes waiting for the batch's step).
+``finish_reason`` is "stop" on EOS or a stop string, "length" at max tokens, "interrupted" when SIGINT or
+SIGTERM ended the record early.
 """
 
 from __future__ import annotations
