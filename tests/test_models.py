@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import cli_env
 
 from mlxpipe import models
 from mlxpipe.models import ModelError, ModelSource, cache_dir, convert_gguf, describe, materialize, resolve
@@ -330,7 +331,7 @@ def test_concurrent_first_loads(tmp_path: Path, isolated_cache: Path) -> None:
         print(folder)
         """
     )
-    env = {**os.environ, "XDG_CACHE_HOME": str(isolated_cache), "PYTHONPATH": str(REPO)}
+    env = cli_env(XDG_CACHE_HOME=str(isolated_cache))  # keeps PYTHONPATH's own entries (where mlx may live)
     procs = [
         subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(2)
