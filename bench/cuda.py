@@ -279,6 +279,26 @@ def run_raw(
     return {"tokens": tokens, "wall": time.perf_counter() - t0, "ttft": statistics.median(ttft)}
 
 
+def profile(engine: Engine, batch: int, max_tokens: int, n: int, name: str, json_path: str | None) -> None:
+    """Where the host's time goes in one mlxpipe run: the top functions by own time, on stderr."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    ours = run_ours(engine, batch, max_tokens, n)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    text = (
+        f"== profile {name}: {ours['tokens'] / ours['wall']:.0f} tok/s under the profiler\n{out.getvalue()}"
+    )
+    say(text)
+    if json_path:
+        Path(json_path).with_name(f"profile-{name}.txt").write_text(text)
+
+
 def step_time(model: Any, batch: int, context: int = 64, repeats: int = 12) -> float:
     """Seconds for one bare decode step of ``batch`` tokens against a KV cache of ``context`` tokens."""
     cache = make_prompt_cache(model)
@@ -331,6 +351,8 @@ def bench_engine(
             ours = run_ours(engine, batch, args.max_tokens, n)
             row.update({f"ours_{k}": v for k, v in ours.items()})
             row["ours_tps"] = ours["tokens"] / ours["wall"]
+        if batch in args.profile and dtype == args.profile_dtype and has_batch():
+            profile(engine, batch, args.max_tokens, n, f"{label}-{dtype}-b{batch}", args.json)
         if args.raw:
             raw = run_raw(engine, batch, args.max_tokens, n)
             row.update({f"raw_{k}": v for k, v in raw.items()})
@@ -403,11 +425,14 @@ def main() -> None:
     p.add_argument(
         "--own-samplers", action="store_true", help="also time raw mlx-lm with a sampler per record"
     )
+    p.add_argument("--profile", default="", help="comma list of batch sizes to profile (host time)")
+    p.add_argument("--profile-dtype", default="bfloat16", help="the weights to profile with")
     p.add_argument("--bandwidth-mb", type=int, default=2048, help="buffer size for the copy bandwidth")
     p.add_argument("--work", default=None, help="folder for the random models (default: a temp folder)")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
     args = p.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.profile = [int(b) for b in args.profile.split(",") if b]
     bandwidth = copy_bandwidth(args.bandwidth_mb << 20)
     META.update(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
