@@ -26,7 +26,12 @@ from .options import build_parser
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MODEL = 0, 1, 2, 3
 
 
+_WHO = "mlxpipe:"  # under mlx.launch, ranks other than 0 name themselves: "mlxpipe[rank 2]:"
+
+
 def _say(message: str) -> None:
+    if message.startswith("mlxpipe:"):
+        message = _WHO + message.removeprefix("mlxpipe:")
     print(message, file=sys.stderr, flush=True)
 
 
@@ -208,12 +213,32 @@ def main(argv: list[str] | None = None) -> int:
         if args.unordered and args.out_format != "jsonl":
             raise io.UsageError("--unordered needs JSONL output (--out jsonl): text lines carry no id")
         template = _template(args)
-        _check_files(args.files)
     except io.UsageError as exc:
         _say(f"mlxpipe: error: {exc}")
         return EXIT_USAGE
 
-    from .engine import Engine  # imported late: mlx takes a while to import, and --help need not wait
+    # Imported late: mlx takes a while to import, and --help need not wait.
+    from .distributed import RankLost, Ranks
+    from .distributed import run as run_ranks
+
+    global _WHO
+    ranks = Ranks.init()
+    if ranks.rank:
+        _WHO = f"mlxpipe[rank {ranks.rank}]:"
+    if ranks.size > 1 and (not args.files or "-" in args.files):
+        if ranks.rank == 0:  # every rank has the same arguments: one message is enough
+            _say(
+                "mlxpipe: error: under mlx.launch give the input as FILE arguments (every rank reads "
+                "them): stdin does not reach the ranks"
+            )
+        return EXIT_USAGE
+    try:
+        _check_files(args.files)  # on each rank: each host needs its own copy of the files
+    except io.UsageError as exc:
+        _say(f"mlxpipe: error: {exc}")
+        return EXIT_USAGE
+
+    from .engine import Engine  # mlx-lm and transformers: slower still
     from .models import ModelError
     from .pipeline import run
 
@@ -227,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"mlxpipe: error: {exc}")
             return EXIT_MODEL
         if args.model_info:
-            sys.stdout.write(json.dumps(engine.info(), ensure_ascii=False) + "\n")
+            if ranks.rank == 0:
+                sys.stdout.write(json.dumps(engine.info(), ensure_ascii=False) + "\n")
             return EXIT_OK
         fmt = io.InputFormat(
             jsonl=args.in_format == "jsonl",
@@ -247,22 +273,46 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         engine.reuse_prefix = not args.no_prefix_cache
         records = interrupts.guard(_records(args.files, reader, private_stdin=args.batch > 1))
-        events = run(records, engine, interrupts, batch=args.batch, ordered=not args.unordered)
+        if ranks.size > 1:  # under mlx.launch: --batch applies on each rank, to its own share
+            events = run_ranks(
+                records,
+                engine,
+                ranks,
+                interrupts,
+                lambda: interrupts.signum,
+                batch=args.batch,
+                ordered=not args.unordered,
+            )
+        else:
+            events = run(records, engine, interrupts, batch=args.batch, ordered=not args.unordered)
         try:
             for event in events:
                 stats.add(event)
-                if isinstance(event, Error):
-                    _say(event.message())
-                renderer.write(event)
+                if ranks.rank == 0:  # under mlx.launch only rank 0 writes; the others count, for the status
+                    if isinstance(event, Error):
+                        _say(event.message())
+                    renderer.write(event)
         except BrokenPipeError:
             # The reader went away (`| head`): stop generating, say nothing, succeed.
             events.close()
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_OK
-        if args.stats:
+        except RankLost as exc:
+            _say(
+                f"mlxpipe: error: lost a rank of the mlx.launch job ({exc}); the first {stats.records} "
+                "records were written, the rest were not: run the job again with --resume to finish it"
+            )
+            return 128 + interrupts.signum if interrupts.signum is not None else EXIT_FAILED
+        if args.stats and ranks.rank == 0:
             _say(stats.line(time.perf_counter() - started))
     except KeyboardInterrupt:
         pass
-    if interrupts.signum is not None:
-        return 128 + interrupts.signum
+    signum = interrupts.signum or ranks.stop_signal
+    if signum:
+        return 128 + signum
+    if ranks.rank:
+        # Rank 0 carries the job's status. mlx.launch stops the other ranks as soon as one exits non-zero,
+        # so a helper rank that ends normally exits 0 and ignores that late SIGTERM.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return EXIT_OK
     return EXIT_FAILED if stats.failed else EXIT_OK

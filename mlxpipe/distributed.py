@@ -1,0 +1,147 @@
+"""Records spread over the ranks of an ``mlx.launch`` job; rank 0 writes everything, in input order.
+
+This room touches mlx only for transport (``mx.distributed``); generation stays in :mod:`mlxpipe.engine`.
+
+Split: every rank reads the same FILE arguments, so every rank numbers the records the same way; record
+``i`` (1-based, bad records included) belongs to rank ``(i - 1) % size``. A rank answers only its own
+records, through :func:`mlxpipe.pipeline.run`, so each record is generated exactly once.
+
+Protocol, in lockstep rounds: in round ``k`` every rank answers its next own record (record
+``k * size + rank + 1``), then all ranks call :meth:`Ranks.gather` with one frame each:
+
+1. ``all_gather`` of one int32 per rank: the byte length of each rank's frame;
+2. ``all_gather`` of a uint8 buffer as long as the longest frame (shorter frames zero-padded).
+
+A frame is UTF-8 JSON ``{"events": [...], "end": bool, "stop": int}``: the record's chunk events and its
+one final event (see :func:`encode_event`), ``end`` once the rank has no record left, and ``stop`` the
+signal number that interrupted it (0 if none). After the gather every rank holds the round's records in
+rank order, which is input order. The run ends after the round in which every rank says ``end``, or any
+rank says ``stop`` (that round's records are still written). Rank 0's own record is first in every round,
+so it streams live; the other ranks' records follow when the round's gather returns.
+
+``all_gather`` is used rather than ``send``/``recv`` because the ring backend only sends to its two
+neighbours, while a collective reaches rank 0 from any number of hosts. A rank that dies closes its
+sockets: the next gather fails on the others and raises :class:`RankLost`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Generator, Iterable
+from typing import TYPE_CHECKING, Any, cast
+
+import mlx.core as mx
+
+from .events import FINAL_EVENTS, Chunk, Done, Error, Event
+from .io import BadRecord, Record
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+_KINDS: dict[str, type[Chunk] | type[Done] | type[Error]] = {"chunk": Chunk, "done": Done, "error": Error}
+
+
+class RankLost(Exception):
+    """Another rank of the job went away (it died, or its host dropped off): the run cannot go on."""
+
+
+def launched() -> bool:
+    """True when some MLX launcher started this process (its rank variables are set)."""
+    return any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+
+
+class Ranks:
+    """This process's place in the job: ``rank`` of ``size``; ``size`` is 1 when not launched."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.rank = group.rank() if group is not None else 0
+        self.size = group.size() if group is not None else 1
+        self.stop_signal = 0  # set by :func:`run` when some rank was interrupted by a signal
+
+    @classmethod
+    def init(cls) -> Ranks:
+        """Join the job ``mlx.launch`` started, if any (``mx.distributed.init``); else one rank alone."""
+        if not launched():
+            return cls()  # skip init: a single process needs no backend at all
+        return cls(mx.distributed.init())
+
+    def gather(self, frame: bytes) -> list[bytes]:
+        """Every rank's ``frame``, in rank order, on every rank (two ``all_gather`` calls)."""
+        if self.size == 1:
+            return [frame]
+        try:
+            # The CPU stream: the ring and MPI backends move host memory.
+            lengths = mx.distributed.all_gather(mx.array([len(frame)], mx.int32), stream=mx.cpu)
+            sizes = [int(n) for n in cast("list[int]", lengths.tolist())]
+            padded = frame + bytes(max(sizes) - len(frame))
+            # mx.array reads and exposes the buffer protocol; its type stubs do not say so.
+            data = mx.distributed.all_gather(mx.array(cast(Any, memoryview(padded))), stream=mx.cpu)
+            mx.eval(data)
+        except RuntimeError as exc:
+            raise RankLost(str(exc)) from None
+        raw = bytes(cast(Any, data))
+        width = max(sizes)
+        return [raw[r * width : r * width + n] for r, n in enumerate(sizes)]
+
+
+def encode_event(event: Event) -> dict[str, Any]:
+    """An event as a JSON object with every field (``index`` and unrounded rates included)."""
+    return {"kind": event.kind, **dataclasses.asdict(event)}
+
+
+def decode_event(obj: dict[str, Any]) -> Event:
+    """The inverse of :func:`encode_event`."""
+    fields = dict(obj)
+    return _KINDS[fields.pop("kind")](**fields)
+
+
+def _frame(events: list[Event], end: bool, stop: int) -> bytes:
+    body = {"events": [encode_event(e) for e in events], "end": end, "stop": stop}
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def run(
+    records: Iterable[Record | BadRecord],
+    engine: Engine,
+    ranks: Ranks,
+    should_stop: Callable[[], bool],
+    signal_number: Callable[[], int | None],
+    batch: int = 1,
+    ordered: bool = True,
+) -> Generator[Event, None, None]:
+    """Answer this rank's share of ``records``; yield every rank's events, in input order, on every rank.
+
+    ``batch`` and ``ordered`` are :func:`mlxpipe.pipeline.run`'s, applied to this rank's own records.
+    Rank 0 yields its own record's events as they stream, then the other ranks' records of the round.
+    Other ranks yield the same events once each round is gathered (for the exit status; they write
+    nothing). ``signal_number`` names the signal behind ``should_stop``; when any rank was stopped,
+    ``ranks.stop_signal`` holds its number afterwards. Raises :class:`RankLost` when a rank goes away.
+    """
+    from .pipeline import run as run_pipeline
+
+    mine = (r for r in records if (r.index - 1) % ranks.size == ranks.rank)
+    own = run_pipeline(mine, engine, should_stop, batch=batch, ordered=ordered)
+    try:
+        while True:
+            events: list[Event] = []
+            end = True
+            for event in own:
+                events.append(event)
+                if ranks.rank == 0:
+                    yield event
+                if isinstance(event, FINAL_EVENTS):
+                    end = False
+                    break
+            stop = (signal_number() or 0) if should_stop() else 0
+            frames = [json.loads(f) for f in ranks.gather(_frame(events, end, stop))]
+            for rank, frame in enumerate(frames):
+                if rank != 0 or ranks.rank != 0:
+                    yield from (decode_event(e) for e in frame["events"])
+            ranks.stop_signal = next((f["stop"] for f in frames if f["stop"]), 0)
+            if ranks.stop_signal or all(f["end"] for f in frames):
+                return
+    finally:
+        own.close()

@@ -1,0 +1,261 @@
+"""Records spread over ranks: the protocol in threads (fast), and `mlx.launch -n 2 --backend ring`."""
+
+from __future__ import annotations
+
+import io as stdio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO, FakeEngine, cli_env
+
+from mlxpipe import distributed, io
+from mlxpipe.cli import Renderer
+from mlxpipe.events import FINAL_EVENTS, Chunk, Done, Error, Event
+from mlxpipe.pipeline import run
+
+LAUNCH = Path(sys.executable).with_name("mlx.launch")
+
+# Raw prompts: the chat template's system line would make prompt processing most of the test's time.
+SHORT = ["--raw", "-n", "6"]
+PROMPTS = [
+    "What is the capital of France?",
+    "Say hello.",
+    "Name a colour.",
+    "What is 2+2?",
+    "Name a fruit.",
+    "What is the largest ocean?",
+    "Say goodbye.",
+    "Name an animal.",
+]
+
+
+def _records(data: bytes, jsonl: bool = False, name: str = "in") -> list[io.Record | io.BadRecord]:
+    reader = io.RecordReader(io.InputFormat(jsonl=jsonl), io.Settings(max_tokens=6, raw=True))
+    return list(reader.read(name, stdio.BytesIO(data)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The protocol, with ranks as threads and the gather as a barrier
+
+
+class _Board:
+    def __init__(self, size: int) -> None:
+        self.slots: list[bytes] = [b""] * size
+        self.barrier = threading.Barrier(size)
+
+
+class ThreadRanks(distributed.Ranks):
+    """One rank of an in-process job: ``gather`` meets the other threads at a barrier."""
+
+    def __init__(self, rank: int, board: _Board) -> None:
+        super().__init__()
+        self.rank, self.size, self.board = rank, len(board.slots), board
+        self.gathers = 0
+
+    def gather(self, frame: bytes) -> list[bytes]:
+        self.gathers += 1
+        self.board.slots[self.rank] = frame
+        self.board.barrier.wait()
+        frames = list(self.board.slots)
+        self.board.barrier.wait()  # nobody overwrites a slot before everyone has read the round
+        return frames
+
+
+def _job(size: int, data: bytes, stop_rank: int | None = None) -> tuple[list[list[Event]], list[Any]]:
+    board = _Board(size)
+    ranks = [ThreadRanks(r, board) for r in range(size)]
+    engines = [FakeEngine() for _ in range(size)]
+    out: list[list[Event]] = [[] for _ in range(size)]
+
+    def rank_main(r: int) -> None:
+        stopped = r == stop_rank
+        events = distributed.run(_records(data, jsonl=True), engines[r], ranks[r], lambda: stopped, lambda: 2)
+        out[r] = list(events)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    return out, [ranks, engines]
+
+
+def _jsonl(n: int, bad: int) -> bytes:
+    lines = [
+        json.dumps({"id": f"r{i}", "prompt": f"p{i}"}) if i != bad else '{"id": ' for i in range(1, n + 1)
+    ]
+    return ("\n".join(lines) + "\n").encode()
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_each_record_once_in_input_order_on_every_rank(size: int) -> None:
+    data = _jsonl(7, bad=5)  # 7 records do not divide evenly: the last round is partial
+    out, (ranks, engines) = _job(size, data)
+    alone = list(run(_records(data, jsonl=True), FakeEngine()))
+    assert all(events == alone for events in out)  # same events, same order, chunks included
+    finals = [e for e in out[0] if isinstance(e, FINAL_EVENTS)]
+    assert [e.index for e in finals] == list(range(1, 8))
+    assert isinstance(finals[4], Error) and finals[4].line == 5
+    asked = sorted(rec.index for engine in engines for rec in engine.history)
+    assert asked == [1, 2, 3, 4, 6, 7]  # each good record generated once, on one rank
+    for r, engine in enumerate(engines):
+        assert all((rec.index - 1) % size == r for rec in engine.history)
+    # One gather per round on every rank, plus the last one in which rank 0 says it has no record left.
+    assert {rk.gathers for rk in ranks} == {-(-7 // size) + 1}
+
+
+def test_a_rank_stopped_by_a_signal_stops_every_rank_after_its_round() -> None:
+    out, (ranks, _) = _job(3, _jsonl(9, bad=0), stop_rank=1)
+    for events in out:  # rank 1 answered nothing; ranks 0 and 2 finished round 1, then all stopped
+        assert [e.index for e in events if isinstance(e, Done)] == [1, 3]
+    assert {rk.stop_signal for rk in ranks} == {2}
+
+
+def test_events_survive_the_wire() -> None:
+    events: list[Event] = [
+        Chunk(3, "a", "Bonjour ✓", 2, 12.3456789),
+        Done(3, "a", "Bonjour ✓", "stop", 2, 12.3456789, 9, 100.5, 123456, {"prompt": "x", "n": [1, None]}),
+        Error(4, 4, "in", 7, "invalid json"),
+    ]
+    assert [
+        distributed.decode_event(json.loads(json.dumps(distributed.encode_event(e)))) for e in events
+    ] == (events)
+
+
+def test_one_rank_alone_gathers_its_own_frame() -> None:
+    assert distributed.Ranks().gather(b"x") == [b"x"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The real thing: two ranks on localhost with mlx.launch over the ring backend
+
+
+def _free_port() -> int:
+    with socket.socket() as s:  # the ring uses this port and the next one
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    if not LAUNCH.exists():
+        pytest.skip("mlx.launch is not installed next to this python")
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--python", sys.executable]
+    # mlx.launch hands the ranks a stdin that never closes, so ours is /dev/null.
+    return subprocess.Popen(
+        [*cmd, "--", "-m", "mlxpipe", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(**kwargs.pop("env", {})),
+        cwd=REPO,
+        **kwargs,
+    )
+
+
+def _finish(p: subprocess.Popen[bytes], timeout: float = 300) -> tuple[bytes, str]:
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0  # mlx.launch exits 0 whatever its ranks return; it names them on stderr
+    return out, err.decode()
+
+
+def _single(engine: Any, path: Path, jsonl: bool) -> bytes:
+    """What one process writes for ``path``: the same reader, pipeline and renderer as the command."""
+    buf = stdio.BytesIO()
+    renderer = Renderer(buf, jsonl=jsonl, stream=True, one_line=not jsonl, null=False)
+    for event in run(_records(path.read_bytes(), jsonl, str(path)), engine):
+        renderer.write(event)
+    return buf.getvalue()
+
+
+def _timeless(line: bytes) -> dict[str, Any]:
+    event = json.loads(line)
+    for key in ("tps", "prompt_tps", "peak_memory"):
+        event.pop(key, None)  # measurements, different in every run
+    return dict(event)
+
+
+@pytest.mark.model
+def test_two_ranks_write_what_one_process_writes(tmp_path: Path, engine: Any) -> None:
+    data = ("\n".join(PROMPTS) + "\n").encode()
+    (tmp_path / "in.txt").write_bytes(data)
+    out, err = _finish(_launch([*SHORT, "--one-line", str(tmp_path / "in.txt")]))
+    assert out == _single(engine, tmp_path / "in.txt", jsonl=False)
+    assert len(out.decode().split("\n")) == 8 + 1  # --one-line: line N answers record N
+    assert "mlxpipe" not in err and "exited with code" not in err  # every rank exited 0, quietly
+
+
+@pytest.mark.model
+def test_two_ranks_put_a_malformed_record_in_place(tmp_path: Path, engine: Any) -> None:
+    lines = [json.dumps({"id": f"q{i}", "prompt": p}) for i, p in enumerate(PROMPTS, 1)]
+    lines[4] = '{"id": "q5", "prompt": '
+    data = ("\n".join(lines) + "\n").encode()
+    (tmp_path / "in.jsonl").write_bytes(data)
+    out, err = _finish(_launch(["--jsonl", *SHORT, str(tmp_path / "in.jsonl")]))
+    got = [_timeless(line) for line in out.splitlines()]
+    assert got == [
+        _timeless(line) for line in _single(engine, tmp_path / "in.jsonl", jsonl=True).splitlines()
+    ]
+    finals = [e for e in got if e["event"] in ("done", "error")]
+    assert [e["id"] for e in finals] == [f"q{i}" if i != 5 else 5 for i in range(1, 9)]
+    assert finals[4]["event"] == "error" and finals[4]["line"] == 5
+    ours = [line for line in err.splitlines() if "mlxpipe" in line]
+    assert len(ours) == 1 and ours[0].startswith(f"mlxpipe: error (at {tmp_path / 'in.jsonl'}:5): ")
+    assert "Node with rank 0 exited with code 1" in err  # a record failed: rank 0's status, as alone
+    assert "Node with rank 1 exited" not in err
+
+
+@pytest.mark.parametrize("files", [[], ["-"]])
+def test_no_files_under_mlx_launch_is_a_usage_error(files: list[str]) -> None:
+    out, err = _finish(_launch(["-n", "6", *files]), timeout=120)
+    assert out == b""
+    ours = [line for line in err.splitlines() if "mlxpipe" in line]
+    assert ours == [
+        "mlxpipe: error: under mlx.launch give the input as FILE arguments (every rank reads them): "
+        "stdin does not reach the ranks"
+    ]
+    assert "Node with rank 0 exited with code 2" in err
+
+
+def _rank_pid(tag: str, rank: int) -> int | None:
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        mine = f"MLXPIPE_TEST_TAG={tag}".encode() in environ and f"MLX_RANK={rank}".encode() in environ
+        if mine and b"mlxpipe" in (entry / "cmdline").read_bytes():
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's process in /proc")
+def test_a_rank_that_dies_ends_the_run_with_a_clear_message(tmp_path: Path) -> None:
+    lines = [json.dumps({"id": f"q{i}", "prompt": p}) for i, p in enumerate(PROMPTS * 4, 1)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    tag = f"{os.getpid()}-{time.time()}"
+    p = _launch(["--jsonl", "--no-stream", *SHORT, str(tmp_path / "in.jsonl")], env={"MLXPIPE_TEST_TAG": tag})
+    assert p.stdout
+    first = p.stdout.readline()  # round 1 is gathered: both ranks are at work
+    assert json.loads(first)["id"] == "q1"
+    pid = _rank_pid(tag, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    rest, err = _finish(p)
+    finals = [json.loads(line) for line in (first + rest).splitlines()]
+    assert [e["id"] for e in finals] == [f"q{i}" for i in range(1, len(finals) + 1)]  # a prefix, in order
+    assert len(finals) < 32
+    assert "Node with rank 1 exited with code -9" in err
+    assert "mlxpipe: error: lost a rank of the mlx.launch job" in err
+    assert f"the first {len(finals)} records were written" in err
+    assert "Traceback" not in err
