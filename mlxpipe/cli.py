@@ -226,11 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     if ranks.rank:
         _WHO = f"mlxpipe[rank {ranks.rank}]:"
     if ranks.size > 1 and (not args.files or "-" in args.files):
-        if ranks.rank == 0:  # every rank has the same arguments: one message is enough
-            _say(
-                "mlxpipe: error: under mlx.launch give the input as FILE arguments (every rank reads "
-                "them): stdin does not reach the ranks"
-            )
+        if ranks.rank:  # the same arguments on every rank: rank 0 says it, and carries the status
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # mlx.launch's, once rank 0 has exited 2
+            return EXIT_OK
+        _say(
+            "mlxpipe: error: under mlx.launch give the input as FILE arguments (every rank reads "
+            "them): stdin does not reach the ranks"
+        )
         return EXIT_USAGE
     try:
         _check_files(args.files)  # on each rank: each host needs its own copy of the files
@@ -303,16 +305,16 @@ def main(argv: list[str] | None = None) -> int:
                 "records were written, the rest were not: run the job again with --resume to finish it"
             )
             return 128 + interrupts.signum if interrupts.signum is not None else EXIT_FAILED
-        if args.stats and ranks.rank == 0:
+        if ranks.rank:
+            # Rank 0 carries the job's status. mlx.launch stops the other ranks as soon as one exits
+            # non-zero, so a helper rank whose job is complete ignores that late SIGTERM and exits 0.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            return 128 + ranks.stop_signal if ranks.stop_signal else EXIT_OK
+        if args.stats:
             _say(stats.line(time.perf_counter() - started))
     except KeyboardInterrupt:
         pass
     signum = interrupts.signum or ranks.stop_signal
     if signum:
         return 128 + signum
-    if ranks.rank:
-        # Rank 0 carries the job's status. mlx.launch stops the other ranks as soon as one exits non-zero,
-        # so a helper rank that ends normally exits 0 and ignores that late SIGTERM.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        return EXIT_OK
     return EXIT_FAILED if stats.failed else EXIT_OK
