@@ -17,11 +17,14 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from . import io
 from .events import Chunk, Done, Error, Event
 from .options import build_parser
+
+if TYPE_CHECKING:
+    from .constrain import Constraint
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MODEL = 0, 1, 2, 3
 
@@ -174,7 +177,37 @@ def _template(args: argparse.Namespace) -> io.Template | None:
     return template
 
 
-def _settings(args: argparse.Namespace) -> io.Settings:
+def _constraint(args: argparse.Namespace) -> Constraint | None:
+    given = [(flag, v) for flag, v in _constraint_flags(args) if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise io.UsageError(f"{given[0][0]} and {given[1][0]} cannot be used together")
+    from . import constrain  # llguidance is imported only when asked for
+
+    flag, value = given[0]
+    build = {
+        "--json-schema": constrain.json_schema_argument,
+        "--choices": constrain.choices_argument,
+        "--regex": constrain.regex,
+        "--grammar": constrain.lark_file,
+    }[flag]
+    try:
+        return build(value)
+    except constrain.ConstraintError as exc:
+        raise io.UsageError(f"{flag}: {exc}") from None
+
+
+def _constraint_flags(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    return [
+        ("--json-schema", args.json_schema),
+        ("--choices", args.choices),
+        ("--regex", args.regex),
+        ("--grammar", args.grammar),
+    ]
+
+
+def _settings(args: argparse.Namespace, constraint: Constraint | None) -> io.Settings:
     return io.Settings(
         max_tokens=args.max_tokens,
         temperature=args.temp,
@@ -187,6 +220,7 @@ def _settings(args: argparse.Namespace) -> io.Settings:
         system=args.system,
         raw=args.raw,
         chat_template_args=args.chat_template_args or {},
+        constraint=constraint,
     )
 
 
@@ -213,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.unordered and args.out_format != "jsonl":
             raise io.UsageError("--unordered needs JSONL output (--out jsonl): text lines carry no id")
         template = _template(args)
+        constraint = _constraint(args)
     except io.UsageError as exc:
         _say(f"mlxpipe: error: {exc}")
         return EXIT_USAGE
@@ -264,11 +299,13 @@ def main(argv: list[str] | None = None) -> int:
             prompt_key=args.prompt_key,
             max_line_bytes=args.max_line_bytes,
         )
-        reader = io.RecordReader(fmt, _settings(args))
+        reader = io.RecordReader(fmt, _settings(args, constraint))
+        jsonl_out = args.out_format == "jsonl"
         renderer = Renderer(
             sys.stdout.buffer,
-            jsonl=args.out_format == "jsonl",
-            stream=not args.no_stream,
+            jsonl=jsonl_out,
+            # Constrained text is printed whole once complete: a cut-short answer never reaches stdout.
+            stream=not args.no_stream and (jsonl_out or constraint is None),
             one_line=args.one_line,
             null=args.null,
         )

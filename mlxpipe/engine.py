@@ -2,8 +2,8 @@
 
 Layering follows mlx-lm's own: ``stream_generate`` yields token-level responses; :meth:`Engine.generate`
 adds what a pipe needs on top (chat templates, per-record sampling and seeds, stop strings held back
-until decided, interruption) and yields :mod:`mlxpipe.events`. :meth:`Engine.batch` does the same for
-many records at once through mlx-lm's ``BatchGenerator`` (continuous batching).
+until decided, interruption, structured output) and yields :mod:`mlxpipe.events`. :meth:`Engine.batch`
+does the same for many records at once through mlx-lm's ``BatchGenerator`` (continuous batching).
 
 Shared prefixes: a record's prompt is split into the part that does not depend on its own content
 (chat template, system prompt, the literal text before a ``--template``'s first field) and the rest.
@@ -17,17 +17,20 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import BatchGenerator, TextStateMachine
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from . import models
-from .events import Chunk, Done
+from .events import Chunk, Done, Error
 from .io import Record
+
+if TYPE_CHECKING:
+    from .constrain import Constraint, Grammars, Matcher
 
 Sampler = Callable[[Any], Any]
 Processor = Callable[[Any, Any], Any]
@@ -35,6 +38,7 @@ Processor = Callable[[Any, Any], Any]
 MIN_PREFIX_TOKENS = 16  # shorter shared prefixes are not worth a cache entry
 PREFIX_CACHE_ENTRIES = 4  # distinct prefixes kept (system prompts / templates in one run); LRU
 _PROBES = ("\ue000", "\ue001")  # private-use characters: no prompt's own text tokenizes like them
+_PREFILL = 512  # prompt tokens per forward pass when scoring choices (bounds attention memory)
 
 
 class RecordError(ValueError):
@@ -57,6 +61,7 @@ class Engine:
         self.reuse_prefix = True
         self._prefixes: OrderedDict[tuple[int, ...], list[Any]] = OrderedDict()
         self._probed: OrderedDict[Any, tuple[int, ...]] = OrderedDict()
+        self._grammars: Grammars | None = None
 
     @classmethod
     def load(cls, spec: str | None = None) -> Engine:
@@ -135,8 +140,137 @@ class Engine:
         return _SeededSampler(s.seed, s.temperature, s.top_p, s.min_p, s.top_k)
 
     def processors_for(self, record: Record) -> list[Processor]:
-        """mlx-lm logits processors for ``record`` (repetition penalty; later, constraints)."""
-        return list(make_logits_processors(repetition_penalty=record.settings.repetition_penalty))
+        """mlx-lm logits processors for ``record``: repetition penalty, then its constraint's token mask."""
+        s = record.settings
+        processors = list(make_logits_processors(repetition_penalty=s.repetition_penalty))
+        if s.constraint is not None:
+            processors.append(self._mask_processor(self._matcher(s.constraint)))
+        return processors
+
+    # -----------------------------------------------------------------------------------------
+    # Structured output: llguidance (in mlxpipe.constrain) decides the allowed tokens; here they are
+    # applied with mx.where, which runs on every backend (llguidance's own mlx helper is Metal-only).
+
+    @property
+    def grammars(self) -> Grammars:
+        """llguidance's view of this model's tokenizer, built on first use."""
+        if self._grammars is None:
+            from .constrain import ConstraintError, Grammars
+
+            try:
+                self._grammars = Grammars(
+                    getattr(self.tokenizer, "_tokenizer", self.tokenizer), self.tokenizer.eos_token_ids
+                )
+            except ConstraintError as exc:
+                raise RecordError(str(exc)) from None
+        return self._grammars
+
+    def _matcher(self, constraint: Constraint) -> Matcher:
+        from .constrain import ConstraintError
+
+        try:
+            return self.grammars.matcher(constraint)
+        except ConstraintError as exc:
+            raise RecordError(str(exc)) from None
+
+    @staticmethod
+    def _mask_processor(matcher: Matcher) -> Callable[[Any, Any], Any]:
+        """A logits processor that keeps only the tokens ``matcher`` allows next."""
+        seen: int | None = None  # tokens already accounted for: the prompt, then each sampled token
+
+        def process(tokens: Any, logits: Any) -> Any:
+            nonlocal seen
+            if seen is None:
+                seen = tokens.size  # the first call sees the prompt alone
+            elif tokens.size > seen:
+                matcher.consume(tokens[seen:].tolist())
+                seen = tokens.size
+            allowed = mx.array(matcher.mask(logits.shape[-1]))
+            return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+        return process
+
+    def finish_fields(self, record: Record, text: str, finish_reason: str) -> dict[str, Any]:
+        """Extra :class:`Done` fields for a finished answer under ``record``'s constraint ({} without one).
+
+        ``json`` for a JSON schema. Raises :class:`RecordError` when the answer is incomplete (max tokens,
+        a stop string, an interrupt). Every decoding path (sequential, batched) calls it for its done events;
+        choice lists never decode (see :meth:`choose`).
+        """
+        from . import constrain
+
+        constraint = record.settings.constraint
+        if constraint is None:
+            return {}
+        try:
+            return constrain.finish(self.grammars, constraint, text, finish_reason)
+        except constrain.ConstraintError as exc:
+            raise RecordError(str(exc)) from None
+
+    def label_logprobs(
+        self, prompt: list[int], labels: tuple[str, ...], cache: list[Any] | None = None, cached: int = 0
+    ) -> dict[str, float]:
+        """Each label's log probability as the start of the answer: the sum of its tokens' log probabilities.
+
+        The prompt is run once (after the ``cached`` tokens already in ``cache``, a shared prefix); each
+        label's tokens (as the tokenizer encodes the label alone) then run on that cache, trimmed back
+        after each label.
+        """
+        if cache is None:
+            cache, cached = make_prompt_cache(self.model), 0
+        for start in range(cached, len(prompt) - 1, _PREFILL):
+            self.model(mx.array(prompt[start : min(start + _PREFILL, len(prompt) - 1)])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+        scores: dict[str, float] = {}
+        for label in labels:
+            ids = list(self.tokenizer.encode(label, add_special_tokens=False))
+            logits = self.model(mx.array([prompt[-1], *ids[:-1]])[None], cache=cache)[0].astype(mx.float32)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            scores[label] = logprobs[mx.arange(len(ids)), mx.array(ids)].sum().item()
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, len(ids))
+            else:  # a cache that cannot be trimmed: run the prompt again for the next label
+                return {**scores, **self.label_logprobs(prompt, labels[len(scores) :])}
+        return scores
+
+    def choose(self, record: Record, tokens: list[int]) -> Iterator[Chunk | Done]:
+        """Answer a choice-list record by scoring every label (see :mod:`mlxpipe.events`), no decoding loop.
+
+        The answer is the most probable label (temperature 0), or one drawn from the label probabilities
+        sharpened by the temperature; top-p, top-k and min-p do not apply. So the chosen label always
+        agrees with the probabilities reported beside it.
+        """
+        from .constrain import normalized
+
+        labels = record.settings.constraint.labels if record.settings.constraint else ()
+        started = time.perf_counter()
+        cached, cache = self.prefix_for(record, tokens)
+        logprobs = self.label_logprobs(tokens, labels, cache, cached)
+        seconds = time.perf_counter() - started
+        temp = record.settings.temperature
+        if temp == 0:
+            label = max(labels, key=lambda x: logprobs[x])  # the first label wins a tie
+        else:
+            scaled = mx.array([logprobs[x] for x in labels]) / temp
+            drawn: int = mx.random.categorical(scaled).item()  # type: ignore[assignment]
+            label = labels[drawn]
+        count = len(self.tokenizer.encode(label, add_special_tokens=False))
+        scored = sum(len(self.tokenizer.encode(x, add_special_tokens=False)) for x in labels)
+        tps = (len(tokens) + scored) / seconds if seconds > 0 else 0.0
+        yield Chunk(record.index, record.id, label, count, tps)
+        yield Done(
+            record.index,
+            record.id,
+            label,
+            "stop",
+            count,
+            tps,
+            len(tokens),
+            tps,
+            int(mx.get_peak_memory()),
+            record.input,
+            choices=normalized(logprobs),
+        )
 
     # -----------------------------------------------------------------------------------------
     # Shared prefixes
@@ -202,6 +336,9 @@ class Engine:
         """
         s = record.settings
         tokens = self.encode(record)
+        if s.constraint is not None and s.constraint.kind == "choices":
+            yield from self.choose(record, tokens)
+            return
         started = time.perf_counter()
         cached, cache = self.prefix_for(record, tokens)
         stops = StopStrings(s.stop)
@@ -227,6 +364,7 @@ class Engine:
                     text.append(segment)
                     yield Chunk(record.index, record.id, segment, r.generation_tokens, r.generation_tps)
                 if finish is not None:
+                    extra = self.finish_fields(record, "".join(text), finish)
                     yield Done(
                         record.index,
                         record.id,
@@ -238,6 +376,7 @@ class Engine:
                         prompt_tps,
                         int(r.peak_memory * 1e9),
                         record.input,
+                        **extra,
                     )
                     return
         finally:
@@ -310,14 +449,24 @@ class Batch:
             prefill_batch_size=size,
         )
         self._slots: dict[int, _Slot] = {}
+        self._ready: list[Chunk | Done | Error] = []  # events of records answered without decoding (choices)
+        self._ready_records = 0
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._slots) + self._ready_records
+
+    def _take_ready(self) -> list[Chunk | Done | Error]:
+        events, self._ready, self._ready_records = self._ready, [], 0
+        return events
 
     def add(self, record: Record) -> None:
         """Start ``record``; raises :class:`RecordError` when it cannot be answered."""
         s = record.settings
         tokens = self.engine.encode(record)
+        if s.constraint is not None and s.constraint.kind == "choices":
+            self._ready.extend(self.engine.choose(record, tokens))  # scored at once; no token to decode
+            self._ready_records += 1
+            return
         inserted = time.perf_counter()
         cached, cache = self.engine.prefix_for(record, tokens)
         (uid,) = self._gen.insert(
@@ -331,11 +480,14 @@ class Batch:
         detokenizer = self.engine.tokenizer.detokenizer  # a fresh copy per record
         self._slots[uid] = _Slot(record, detokenizer, StopStrings(s.stop), len(tokens), inserted)
 
-    def step(self) -> list[Chunk | Done]:
-        """Generate one token for every record in flight; return the resulting events."""
-        events: list[Chunk | Done] = []
+    def step(self) -> list[Chunk | Done | Error]:
+        """Generate one token for every record in flight; return the resulting events.
+
+        A constrained record whose answer ends incomplete gets an :class:`Error` instead of a done.
+        """
+        events = self._take_ready()
         ended: list[int] = []
-        for r in self._gen.next_generated():
+        for r in self._gen.next_generated() if self._slots else ():
             slot = self._slots[r.uid]
             now = time.perf_counter()
             slot.tokens += 1
@@ -357,9 +509,9 @@ class Batch:
             self._gen.remove(ended)
         return events
 
-    def interrupt(self) -> list[Chunk | Done]:
+    def interrupt(self) -> list[Chunk | Done | Error]:
         """End every record in flight as "interrupted", oldest first."""
-        events: list[Chunk | Done] = []
+        events = self._take_ready()
         now = time.perf_counter()
         self._gen.remove(list(self._slots))
         for uid, slot in sorted(self._slots.items(), key=lambda item: item[1].record.index):
@@ -380,14 +532,20 @@ class Batch:
 
     def _emit(
         self, uid: int, slot: _Slot, segment: str, finish: str | None, now: float
-    ) -> list[Chunk | Done]:
+    ) -> list[Chunk | Done | Error]:
         rec = slot.record
         tps = slot.tokens / max(now - slot.first, 1e-9) if slot.tokens else 0.0
-        events: list[Chunk | Done] = []
+        events: list[Chunk | Done | Error] = []
         if segment:
             slot.text.append(segment)
             events.append(Chunk(rec.index, rec.id, segment, slot.tokens, tps))
         if finish is not None:
+            del self._slots[uid]
+            try:
+                extra = self.engine.finish_fields(rec, "".join(slot.text), finish)
+            except RecordError as exc:
+                events.append(Error(rec.index, rec.id, rec.file, rec.line, str(exc)))
+                return events
             peak = int(mx.get_peak_memory())
             events.append(
                 Done(
@@ -401,9 +559,9 @@ class Batch:
                     slot.prompt_tps,
                     peak,
                     rec.input,
+                    **extra,
                 )
             )
-            del self._slots[uid]
         return events
 
 

@@ -12,7 +12,9 @@ ignore what they do not know.
 
     {"event": "done", "id": ..., "text": str, "finish_reason": "stop" | "length" | "interrupted",
      "tokens": int, "tps": float, "prompt_tokens": int, "prompt_tps": float,
-     "peak_memory": int (bytes), "input": <the original record>}
+     "peak_memory": int (bytes), "input": <the original record>,
+     "json": <the parsed answer>,            # only with a JSON schema (--json-schema, "json_schema")
+     "choices": {label: float, ...}}         # only with --choices or "choices"
 
 ``error``  a record that could not be processed (exactly one per failed record)::
 
@@ -25,6 +27,17 @@ ignore what they do not know.
 shows the saving; under ``--batch`` the time includes waiting for the batch's step).
 ``finish_reason`` is "stop" on EOS or a stop string, "length" at max tokens, "interrupted" when SIGINT or
 SIGTERM ended the record early.
+
+Structured output (``--json-schema``, ``--choices``, ``--regex``, ``--grammar``, or a record's own
+``json_schema`` / ``choices``): a ``done`` event always holds a complete answer of the constraint. With a
+JSON schema, ``json`` is the answer parsed (``text`` is the same answer as compact JSON text). With choices,
+``choices`` maps every label to its probability under the model, scored from its log probabilities: the
+sum of the log probabilities of the label's tokens (as the tokenizer encodes the label alone) right after
+the prompt, then normalised over the labels (a softmax), so the values add up to 1; ``text`` is the most
+probable label (at temperature T > 0, one drawn from those log probabilities divided by T), so the
+answer always agrees with its probabilities; ``tokens`` is the chosen label's token count. An answer that
+max tokens, a stop string or an interrupt cut short is an ``error`` ("answer incomplete: max tokens
+reached", …), never a ``done``.
 """
 
 from __future__ import annotations
@@ -77,8 +90,16 @@ class Done:
     prompt_tps: float
     peak_memory: int
     input: Any
+    json: Any = None  # the parsed answer under a JSON schema (when has_json: null is a valid answer)
+    has_json: bool = False
+    choices: dict[str, float] | None = None  # each choice's probability, under --choices
 
     def to_dict(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.has_json:
+            extra["json"] = self.json
+        if self.choices is not None:
+            extra["choices"] = self.choices
         return {
             "event": self.kind,
             "id": self.id,
@@ -90,6 +111,7 @@ class Done:
             "prompt_tps": round(self.prompt_tps, 3),
             "peak_memory": self.peak_memory,
             "input": self.input,
+            **extra,
         }
 
     def to_json(self) -> str:

@@ -12,9 +12,12 @@ import re
 import string
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import jsonlines
+
+if TYPE_CHECKING:
+    from .constrain import Constraint
 
 STDIN = "<stdin>"
 DEFAULT_MAX_LINE_BYTES = 1 << 20  # 1 MiB: far above any prompt a small context holds, far below RAM
@@ -39,6 +42,7 @@ class Settings:
     system: str | None = None
     raw: bool = False
     chat_template_args: Mapping[str, Any] = field(default_factory=dict)
+    constraint: Constraint | None = None  # structured output (see mlxpipe.constrain)
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,10 @@ def settings_from_object(obj: Mapping[str, Any], base: Settings) -> Settings:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError("'stop' must be a non-empty string or a list of them")
         changes["stop"] = tuple(stops)
+    if "json_schema" in obj or "choices" in obj:
+        from .constrain import from_record  # llguidance is imported only when a record asks for it
+
+        changes["constraint"] = from_record(obj)
     return replace(base, **changes) if changes else base
 
 

@@ -17,6 +17,7 @@ from . import __version__
 GROUPS = {
     "input": "Input",
     "generation": "Generation",
+    "structured": "Structured output",
     "output": "Output",
     "model": "Model",
     "general": "General",
@@ -221,6 +222,29 @@ OPTIONS: tuple[Option, ...] = (
         "Do not reuse the KV cache of the prompt start that records share (system prompt, template).",
         action="store_true",
     ),
+    # Structured output
+    Option(
+        ("--json-schema",),
+        "structured",
+        "Every answer is JSON valid against SCHEMA (inline JSON, or a file holding it); the done event "
+        "carries it parsed, as 'json'. A JSONL record's own 'json_schema' object overrides it.",
+        metavar="SCHEMA",
+    ),
+    Option(
+        ("--choices",),
+        "structured",
+        "Every answer is exactly one of the comma-separated labels, the most probable one under the model; "
+        "the done event carries each label's probability, as 'choices'. A JSONL record's own 'choices' "
+        "list overrides it.",
+        metavar="A,B,C",
+    ),
+    Option(("--regex",), "structured", "Every answer matches the regular expression RE.", metavar="RE"),
+    Option(
+        ("--grammar",),
+        "structured",
+        "Every answer follows the Lark grammar in FILE (llguidance's dialect; the answer is rule 'start').",
+        metavar="FILE",
+    ),
     # Output
     Option(
         ("--out",),
@@ -276,6 +300,7 @@ examples:
   mlxpipe --jsonl data.jsonl | jq -r 'select(.event=="done") | .text'
   paste prompts.txt <(mlxpipe --one-line < prompts.txt)
   mlxpipe --template 'Summarise: {text}' --in jsonl --out jsonl --no-stream docs.jsonl
+  mlxpipe --choices positive,negative,neutral --template 'Sentiment of: {line}' < reviews.txt
 
 exit status: 0 all records done, 1 some records failed, 2 usage error, 3 model could not be loaded,
 130 interrupted (SIGINT), 143 terminated (SIGTERM).  See man mlxpipe.
