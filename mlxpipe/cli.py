@@ -22,20 +22,24 @@ from typing import IO, TYPE_CHECKING
 from . import io
 from .events import Chunk, Done, Error, Event
 from .options import build_parser
+from .term import Console
 
 if TYPE_CHECKING:
     from .constrain import Constraint
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MODEL = 0, 1, 2, 3
 
+_console: Console | None = None  # this run's stderr (colour, progress); set by main()
+
 
 _WHO = "mlxpipe:"  # under mlx.launch, ranks other than 0 name themselves: "mlxpipe[rank 2]:"
 
 
 def _say(message: str) -> None:
+    """One line to stderr, above the progress display; an error prefix in colour on a terminal."""
     if message.startswith("mlxpipe:"):
         message = _WHO + message.removeprefix("mlxpipe:")
-    print(message, file=sys.stderr, flush=True)
+    (_console or Console()).say(message)
 
 
 class Interrupts:
@@ -65,7 +69,7 @@ class Interrupts:
         # Only the main thread can be interrupted this way; --batch reads on a helper thread instead
         # and the pipeline polls the flag while it waits.
         main = threading.current_thread() is threading.main_thread()
-        while True:
+        while self.signum is None:  # once interrupted, never block on a read (a terminal waits forever)
             self.reading = main
             try:
                 record = next(it)
@@ -236,6 +240,16 @@ def _check_files(files: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run mlxpipe with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    global _console
+    _console = console = Console()
+    try:
+        return _main(argv, console)
+    finally:
+        console.close()
+        _console = None
+
+
+def _main(argv: list[str] | None, console: Console) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -309,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             one_line=args.one_line,
             null=args.null,
         )
+        if ranks.rank == 0:
+            console.start_progress(args.files, args.null, args.max_line_bytes, args.quiet)
         started = time.perf_counter()
         engine.reuse_prefix = not args.no_prefix_cache
         records = interrupts.guard(_records(args.files, reader, private_stdin=args.batch > 1))
@@ -328,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             for event in events:
                 stats.add(event)
                 if ranks.rank == 0:  # under mlx.launch only rank 0 writes; the others count, for the status
+                    console.track(event)
                     if isinstance(event, Error):
                         _say(event.message())
                     renderer.write(event)
@@ -347,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             # non-zero, so a helper rank whose job is complete ignores that late SIGTERM and exits 0.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             return 128 + ranks.stop_signal if ranks.stop_signal else EXIT_OK
+        console.close()
         if args.stats:
             _say(stats.line(time.perf_counter() - started))
     except KeyboardInterrupt:

@@ -1,0 +1,230 @@
+"""A good Unix citizen: --version and help, colour and progress on a terminal, interactive use on a real
+pseudo-terminal (Ctrl-C included), SIGTERM."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import signal
+import struct
+import subprocess
+import termios
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import MLXPIPE, REPO, cli_env, run_cli
+
+from mlxpipe import __version__
+
+RED_ERROR = b"mlxpipe: \x1b[1;31merror\x1b[0m"
+
+
+def open_pty() -> tuple[int, int]:
+    """A pseudo-terminal (master, slave) of 24 rows and 100 columns, like a real window."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    return master, slave
+
+
+def read_until(fd: int, done: Callable[[bytes], bool], buf: bytes = b"", timeout: float = 240) -> bytes:
+    """Read ``fd`` into ``buf`` until ``done(buf)``, end of file or ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not done(buf) and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                data = os.read(fd, 4096)
+            except OSError:  # EIO: every slave end is closed, the child is gone
+                break
+            if not data:
+                break
+            buf += data
+    return buf
+
+
+def until_eof(buf: bytes) -> bool:
+    return False
+
+
+def spawn_on_pty(
+    args: list[str], slave: int, env: dict[str, str], stdin: int = subprocess.DEVNULL
+) -> subprocess.Popen[bytes]:
+    """Start ``mlxpipe ARGS`` with stderr on the terminal ``slave`` and stdout into a pipe."""
+    p = subprocess.Popen(
+        [*MLXPIPE, *args], stdin=stdin, stdout=subprocess.PIPE, stderr=slave, env=env, cwd=REPO
+    )
+    os.close(slave)
+    return p
+
+
+# --- fast: no model ---------------------------------------------------------------------------------
+
+
+def test_version_and_python_dash_m() -> None:
+    r = run_cli(["--version"])
+    assert r.returncode == 0
+    assert r.stdout.decode() == f"mlxpipe {__version__}\n"
+    assert r.stderr == b""
+
+
+def test_help_has_examples_in_the_epilog() -> None:
+    r = run_cli(["-h"])
+    assert r.returncode == 0
+    help_text = r.stdout.decode()
+    examples = help_text.split("\nexamples:\n", 1)[1]
+    assert "mlxpipe --jsonl" in examples and "| jq" in examples
+    assert "exit status:" in help_text and "man mlxpipe" in help_text
+
+
+@pytest.mark.parametrize(
+    ("extra_env", "coloured"), [({}, True), ({"NO_COLOR": "1"}, False), ({"TERM": "dumb"}, False)]
+)
+def test_error_prefix_is_coloured_only_on_a_terminal(extra_env: dict[str, str], coloured: bool) -> None:
+    args = ["--template", "{x}", "--template-file", "t.txt"]  # a usage error: found before any model loads
+    master, slave = open_pty()
+    env = cli_env(**{"TERM": "xterm-256color", **extra_env})
+    if not extra_env:
+        env.pop("NO_COLOR", None)
+    p = spawn_on_pty(args, slave, env, stdin=subprocess.DEVNULL)
+    on_terminal = read_until(master, until_eof, timeout=60)
+    out, _ = p.communicate(timeout=60)
+    os.close(master)
+    assert p.returncode == 2
+    assert out == b""
+    assert (RED_ERROR in on_terminal) is coloured
+    assert b"cannot be used together" in on_terminal
+    if not coloured:
+        assert b"\x1b[" not in on_terminal
+    piped = run_cli(args, env=env)  # the same error into a pipe: never coloured
+    assert piped.stderr == b"mlxpipe: error: --template and --template-file cannot be used together\n"
+
+
+# --- the real model ---------------------------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_progress_on_a_terminal_stderr_never_on_stdout(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\n\nSay hi.\n")
+    master, slave = open_pty()
+    p = spawn_on_pty(["-n", "6", str(prompts)], slave, cli_env(TERM="xterm"))
+    on_terminal = read_until(master, until_eof)
+    out, _ = p.communicate(timeout=60)
+    os.close(master)
+    assert p.returncode == 0
+    assert b"/2 [" in on_terminal  # records done out of the total: two records, the blank line skipped
+    assert b"tok/s" in on_terminal and b"records/s" in on_terminal
+    assert on_terminal.endswith(b"\r")  # erased at the end
+    assert out.count(b"\n") == 2 and b"Paris" in out
+    assert b"\r" not in out and b"tok/s" not in out and b"\x1b" not in out
+
+
+@pytest.mark.model
+def test_quiet_shows_no_progress_and_errors_keep_their_colour(tmp_path: Path) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "Say hi.", "max_tokens": 3}\n{"prompt": \n')
+    master, slave = open_pty()
+    env = cli_env(TERM="xterm")
+    env.pop("NO_COLOR", None)
+    p = spawn_on_pty(["--jsonl", "-q", str(data)], slave, env)
+    on_terminal = read_until(master, until_eof)
+    out, _ = p.communicate(timeout=60)
+    os.close(master)
+    assert p.returncode == 1
+    assert on_terminal.startswith(RED_ERROR + f" (at {data}:2): ".encode())
+    assert on_terminal.count(b"\n") == 1 and b"records" not in on_terminal
+    assert [json.loads(line)["event"] for line in out.splitlines()][-2:] == ["done", "error"]
+
+
+def interactive(args: list[str]) -> tuple[subprocess.Popen[bytes], int]:
+    """mlxpipe with no FILE, its stdin, stdout and stderr on a terminal it controls (so Ctrl-C works)."""
+    master, slave = open_pty()
+    p = subprocess.Popen(
+        [*MLXPIPE, *args],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=cli_env(TERM="xterm"),
+        cwd=REPO,
+        start_new_session=True,
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+    )
+    os.close(slave)
+    return p, master
+
+
+def lines_seen(n: int) -> Callable[[bytes], bool]:
+    """True once the terminal has shown ``n`` complete lines (typed lines are echoed, answers end in \\n)."""
+    return lambda buf: buf.count(b"\r\n") >= n
+
+
+@pytest.mark.model
+def test_interactive_each_line_answered_before_the_next_then_ctrl_c_mid_answer() -> None:
+    p, tty = interactive(["-n", "64"])
+    try:
+        os.write(tty, b"What is the capital of France?\n")
+        screen = read_until(tty, lines_seen(2))  # the echo of the typed line, then the answer
+        assert b"Paris" in screen.split(b"\r\n")[1]
+        assert p.poll() is None  # still waiting for the next line: nothing else was typed
+        os.write(tty, b"Say hello.\n")
+        screen = read_until(tty, lines_seen(4), screen)
+        assert screen.split(b"\r\n")[2] == b"Say hello."  # the echo: the line was read only now
+        assert screen.split(b"\r\n")[3].strip()  # and answered
+        os.write(tty, b"Write a long story about a dragon.\n")
+        screen = read_until(tty, lambda b: lines_seen(5)(b) and len(b.split(b"\r\n")[5]) > 10, screen)
+        assert p.poll() is None  # the story is streaming
+        os.write(tty, b"\x03")  # Ctrl-C, delivered by the terminal as SIGINT
+        screen = read_until(tty, until_eof, screen)
+        assert p.wait(timeout=60) == 130
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(tty)
+    assert screen.endswith(b"\r\n")  # the interrupted answer still got its final newline
+    assert b"Traceback" not in screen and b"tok/s" not in screen  # no progress when stdout is the terminal
+
+
+@pytest.mark.model
+def test_interactive_ctrl_c_while_waiting_for_a_line() -> None:
+    p, tty = interactive(["-n", "16"])
+    try:
+        os.write(tty, b"What is the capital of France?\n")
+        screen = read_until(tty, lines_seen(2))
+        assert b"Paris" in screen
+        os.write(tty, b"\x03")
+        screen = read_until(tty, until_eof, screen)
+        assert p.wait(timeout=60) == 130
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(tty)
+    assert b"Traceback" not in screen and b"error" not in screen
+
+
+@pytest.mark.model
+def test_sigterm_ends_the_record_with_a_done_line_and_exit_143() -> None:
+    p = subprocess.Popen(
+        [*MLXPIPE, "--jsonl", "-n", "200"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+        cwd=REPO,
+    )
+    assert p.stdin and p.stdout and p.stderr
+    p.stdin.write(b'"Write a long story about a dragon."\n"Second."\n')
+    p.stdin.close()
+    first = p.stdout.readline()
+    assert json.loads(first)["event"] == "chunk"  # generation has started
+    p.send_signal(signal.SIGTERM)
+    rest = p.stdout.read()
+    assert p.wait(timeout=60) == 143
+    lines = [json.loads(line) for line in (first + rest).splitlines()]
+    assert lines[-1]["event"] == "done" and lines[-1]["finish_reason"] == "interrupted"
+    assert sum(e["event"] == "done" for e in lines) == 1  # the second record was never started
+    assert p.stderr.read() == b""
