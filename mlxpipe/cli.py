@@ -360,10 +360,10 @@ def _main(argv: list[str] | None, console: Console) -> int:
             )
             return 128 + interrupts.signum if interrupts.signum is not None else EXIT_FAILED
         if ranks.rank:
-            # Rank 0 carries the job's status. mlx.launch stops the other ranks as soon as one exits
-            # non-zero, so a helper rank whose job is complete ignores that late SIGTERM and exits 0.
+            # Rank 0 carries the job's status (a stop included). mlx.launch stops every rank once one exits
+            # non-zero, so a helper rank exits 0 and ignores that SIGTERM: rank 0 may still be writing.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            return 128 + ranks.stop_signal if ranks.stop_signal else EXIT_OK
+            return EXIT_OK
         console.close()
         if args.stats:
             _say(stats.line(time.perf_counter() - started))

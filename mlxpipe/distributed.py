@@ -15,9 +15,12 @@ Protocol, in lockstep rounds: in round ``k`` every rank answers its next own rec
 A frame is UTF-8 JSON ``{"events": [...], "end": bool, "stop": int}``: the record's chunk events and its
 one final event (see :func:`encode_event`), ``end`` once the rank has no record left, and ``stop`` the
 signal number that interrupted it (0 if none). After the gather every rank holds the round's records in
-rank order, which is input order. The run ends after the round in which every rank says ``end``, or any
-rank says ``stop`` (that round's records are still written). Rank 0's own record is first in every round,
-so it streams live; the other ranks' records follow when the round's gather returns.
+rank order, which is input order, and takes them up to the first rank that sent no record: at the end of
+the input that is where the records run out; when a rank was stopped before its next record, the later
+ranks' records of that round are dropped, so the output is always records 1..K, whole and in order, and a
+rerun with ``--resume`` does the rest. The run ends after the round in which every rank says ``end``, or
+any rank says ``stop``. Rank 0's own record is first in every round, so it streams live; the other ranks'
+records follow when the round's gather returns.
 
 ``all_gather`` is used rather than ``send``/``recv`` because the ring backend only sends to its two
 neighbours, while a collective reaches rank 0 from any number of hosts. A rank that dies closes its
@@ -138,6 +141,8 @@ def run(
             stop = (signal_number() or 0) if should_stop() else 0
             frames = [json.loads(f) for f in ranks.gather(_frame(events, end, stop))]
             for rank, frame in enumerate(frames):
+                if not any(e["kind"] in ("done", "error") for e in frame["events"]):
+                    break  # a rank without a record ends the round: the output stays a prefix of the input
                 if rank != 0 or ranks.rank != 0:
                     yield from (decode_event(e) for e in frame["events"])
             ranks.stop_signal = next((f["stop"] for f in frames if f["stop"]), 0)

@@ -115,9 +115,10 @@ def test_each_record_once_in_input_order_on_every_rank(size: int) -> None:
 
 
 def test_a_rank_stopped_by_a_signal_stops_every_rank_after_its_round() -> None:
-    out, (ranks, _) = _job(3, _jsonl(9, bad=0), stop_rank=1)
-    for events in out:  # rank 1 answered nothing; ranks 0 and 2 finished round 1, then all stopped
-        assert [e.index for e in events if isinstance(e, Done)] == [1, 3]
+    out, (ranks, engines) = _job(3, _jsonl(9, bad=0), stop_rank=1)
+    assert [rec.index for rec in engines[2].history] == [3]  # rank 2 answered record 3 in round 1, but
+    for events in out:  # rank 1 answered nothing, so only record 1 is written: no hole in the output
+        assert [e.index for e in events if isinstance(e, Done)] == [1]
     assert {rk.stop_signal for rk in ranks} == {2}
 
 
@@ -260,3 +261,28 @@ def test_a_rank_that_dies_ends_the_run_with_a_clear_message(tmp_path: Path) -> N
     assert "mlxpipe: error: lost a rank of the mlx.launch job" in err
     assert f"the first {len(finals)} records were written" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's process in /proc")
+def test_sigterm_to_rank_0_stops_every_rank_after_the_round(tmp_path: Path) -> None:
+    lines = [json.dumps({"id": f"q{i}", "prompt": p}) for i, p in enumerate(PROMPTS * 4, 1)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    tag = f"{os.getpid()}-{time.time()}"
+    p = _launch(
+        ["--jsonl", "--no-stream", "--raw", "-n", "20", str(tmp_path / "in.jsonl")],
+        env={"MLXPIPE_TEST_TAG": tag},
+    )
+    assert p.stdout
+    first = p.stdout.readline()
+    pid = _rank_pid(tag, 0)
+    assert pid is not None
+    os.kill(pid, signal.SIGTERM)
+    rest, err = _finish(p)
+    finals = [json.loads(line) for line in (first + rest).splitlines()]
+    assert [e["id"] for e in finals] == [
+        f"q{i}" for i in range(1, len(finals) + 1)
+    ]  # whole records, in order
+    assert len(finals) < 32
+    assert "Node with rank 0 exited with code 143" in err
+    assert "Node with rank 1" not in err and "mlxpipe" not in err
