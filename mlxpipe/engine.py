@@ -24,6 +24,7 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator, TextStateMachine
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import models
 from .events import Chunk, Done, Error
@@ -32,8 +33,9 @@ from .io import Record
 if TYPE_CHECKING:
     from .constrain import Constraint, Grammars, Matcher
 
-Sampler = Callable[[Any], Any]
-Processor = Callable[[Any, Any], Any]
+# The typed boundary: mlx-lm's samplers and logits processors map arrays to arrays.
+Sampler = Callable[[mx.array], mx.array]
+Processor = Callable[[mx.array, mx.array], mx.array]
 
 MIN_PREFIX_TOKENS = 16  # shorter shared prefixes are not worth a cache entry
 PREFIX_CACHE_ENTRIES = 4  # distinct prefixes kept (system prompts / templates in one run); LRU
@@ -52,7 +54,10 @@ def _never() -> bool:
 class Engine:
     """A loaded model and tokenizer, ready to answer records one after another."""
 
-    def __init__(self, model: Any, tokenizer: Any, source: models.ModelSource, folder: str) -> None:
+    def __init__(
+        self, model: Any, tokenizer: TokenizerWrapper, source: models.ModelSource, folder: str
+    ) -> None:
+        # model is an mlx.nn.Module, which mlx's package does not export to type checkers.
         self.model = model
         self.tokenizer = tokenizer
         self.source = source
