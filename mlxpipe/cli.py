@@ -267,7 +267,7 @@ def _main(argv: list[str] | None, console: Console) -> int:
         return EXIT_USAGE
 
     # Imported late: mlx takes a while to import, and --help need not wait.
-    from .distributed import RankLost, Ranks
+    from .distributed import RankLost, Ranks, same_input
     from .distributed import run as run_ranks
 
     global _WHO
@@ -284,9 +284,20 @@ def _main(argv: list[str] | None, console: Console) -> int:
         )
         return EXIT_USAGE
     try:
-        _check_files(args.files)  # on each rank: each host needs its own copy of the files
+        _check_files(args.files)
+        problem = None
     except io.UsageError as exc:
-        _say(f"mlxpipe: error: {exc}")
+        problem = str(exc)
+    if ranks.size > 1:  # each host reads its own copy of the files: they must be the same
+        try:
+            problem = same_input(ranks, args.files, problem)
+        except RankLost as exc:
+            problem = f"lost a rank of the mlx.launch job before the start ({exc})"
+        if problem and ranks.rank:  # rank 0 says it for the job, and carries the status
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            return EXIT_OK
+    if problem:
+        _say(f"mlxpipe: error: {problem}")
         return EXIT_USAGE
 
     from .engine import Engine  # mlx-lm and transformers: slower still

@@ -4,7 +4,9 @@ This room touches mlx only for transport (``mx.distributed``); generation stays 
 
 Split: every rank reads the same FILE arguments, so every rank numbers the records the same way; record
 ``i`` (1-based, bad records included) belongs to rank ``(i - 1) % size``. A rank answers only its own
-records, through :func:`mlxpipe.pipeline.run`, so each record is generated exactly once.
+records, through :func:`mlxpipe.pipeline.run`, so each record is generated exactly once. Before anything
+else the ranks compare a digest of the files' contents (:func:`same_input`): a host with a different copy
+would number the records differently, and its answers would land on the wrong records.
 
 Protocol, in lockstep rounds: in round ``k`` every rank answers its next own record (record
 ``k * size + rank + 1``), then all ranks call :meth:`Ranks.gather` with one frame each:
@@ -30,6 +32,7 @@ sockets: the next gather fails on the others and raises :class:`RankLost`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Callable, Generator, Iterable
@@ -88,6 +91,37 @@ class Ranks:
         raw = bytes(cast(Any, data))
         width = max(sizes)
         return [raw[r * width : r * width + n] for r, n in enumerate(sizes)]
+
+
+def fingerprint(files: list[str]) -> str:
+    """A digest of the input files' contents (not their names), to check that every rank reads the same."""
+    digest = hashlib.sha256()
+    for name in files:
+        with open(name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\0end of file\0")
+    return digest.hexdigest()
+
+
+def same_input(ranks: Ranks, files: list[str], problem: str | None) -> str | None:
+    """Compare the input on every rank (one gather before any model is loaded).
+
+    ``problem`` is this rank's own reason it cannot start (a file it cannot open), or None. Returns
+    the job's first problem, the same on every rank: one rank's ``problem`` or a file mismatch.
+    """
+    mine = {"problem": problem} if problem else {"digest": fingerprint(files)}
+    views = [json.loads(v) for v in ranks.gather(json.dumps(mine).encode())]
+    for rank, view in enumerate(views):
+        if "problem" in view:
+            return view["problem"] if rank == 0 else f"rank {rank}: {view['problem']}"
+    for rank, view in enumerate(views):
+        if view["digest"] != views[0]["digest"]:
+            return (
+                f"rank {rank} reads different input from rank 0's: every host needs the same copy of "
+                "the FILE arguments"
+            )
+    return None
 
 
 def encode_event(event: Event) -> dict[str, Any]:

@@ -228,6 +228,47 @@ def test_no_files_under_mlx_launch_is_a_usage_error(files: list[str]) -> None:
     assert "Node with rank 0 exited with code 2" in err
 
 
+def _launch_each(tmp_path: Path, contents: dict[int, str]) -> tuple[bytes, str]:
+    """Two ranks whose FILE argument is the same name on "their own host": in.txt in a folder per rank."""
+    for rank, text in contents.items():
+        (tmp_path / f"host{rank}").mkdir()
+        (tmp_path / f"host{rank}" / "in.txt").write_text(text)
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--", "sh", "-c"]
+    script = f'cd "{tmp_path}/host$MLX_RANK" && exec "{sys.executable}" -m mlxpipe -n 6 in.txt'
+    p = subprocess.Popen(
+        [*cmd, script],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+    )
+    return _finish(p, timeout=120)
+
+
+def test_ranks_with_different_input_files_refuse_to_start(tmp_path: Path) -> None:
+    if not LAUNCH.exists():
+        pytest.skip("mlx.launch is not installed next to this python")
+    out, err = _launch_each(tmp_path, {0: "Say hello.\nSay goodbye.\n", 1: "Say goodbye.\nSay hello.\n"})
+    assert out == b""
+    message = (
+        "mlxpipe: error: rank 1 reads different input from rank 0's: every host needs the same copy of "
+        "the FILE arguments\n"
+    )
+    assert err.count(message) == 1 and err.count("mlxpipe") == 1
+    assert "Node with rank 0 exited with code 2" in err
+
+
+def test_a_rank_without_the_input_file_is_named(tmp_path: Path) -> None:
+    if not LAUNCH.exists():
+        pytest.skip("mlx.launch is not installed next to this python")
+    (tmp_path / "host1").mkdir()  # rank 1's host has no in.txt
+    out, err = _launch_each(tmp_path, {0: "Say hello.\n"})
+    assert out == b""
+    message = "mlxpipe: error: rank 1: cannot open in.txt: No such file or directory\n"
+    assert err.count(message) == 1 and err.count("mlxpipe") == 1
+    assert "Node with rank 0 exited with code 2" in err
+
+
 def _rank_pid(tag: str, rank: int) -> int | None:
     for entry in Path("/proc").iterdir():
         try:
