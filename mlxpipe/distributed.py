@@ -2,14 +2,17 @@
 
 This room touches mlx only for transport (``mx.distributed``); generation stays in :mod:`mlxpipe.engine`.
 
-Split: every rank reads the same FILE arguments, so every rank numbers the records the same way; record
-``i`` (1-based, bad records included) belongs to rank ``(i - 1) % size``. A rank answers only its own
-records, through :func:`mlxpipe.pipeline.run`, so each record is generated exactly once. Before anything
-else the ranks compare a digest of the files' contents (:func:`same_input`): a host with a different copy
-would number the records differently, and its answers would land on the wrong records.
+Split: every rank reads the same FILE arguments, so every rank sees the same records in the same order;
+the ``n``-th of them (0-based, bad records included) belongs to rank ``n % size``. Positions, not record
+numbers, so that records skipped on every rank alike (``--resume``) still leave no rank idle. A rank
+answers only its own records, through :func:`mlxpipe.pipeline.run`, so each is generated exactly once.
+Before anything else the ranks compare a digest of the files' contents (:func:`same_input`): a host with a
+different copy would number the records differently, and its answers would land on the wrong records.
+Whatever decides which records are skipped must likewise be the same on every rank: rank 0 can share it
+with :func:`broadcast`.
 
-Protocol, in lockstep rounds: in round ``k`` every rank answers its next own record (record
-``k * size + rank + 1``), then all ranks call :meth:`Ranks.gather` with one frame each:
+Protocol, in lockstep rounds: in round ``k`` every rank answers its next own record (the one at
+position ``k * size + rank``), then all ranks call :meth:`Ranks.gather` with one frame each:
 
 1. ``all_gather`` of one int32 per rank: the byte length of each rank's frame;
 2. ``all_gather`` of a uint8 buffer as long as the longest frame (shorter frames zero-padded).
@@ -82,6 +85,8 @@ class Ranks:
             # The CPU stream: the ring and MPI backends move host memory.
             lengths = mx.distributed.all_gather(mx.array([len(frame)], mx.int32), stream=mx.cpu)
             sizes = [int(n) for n in cast("list[int]", lengths.tolist())]
+            if not max(sizes):
+                return [b""] * self.size
             padded = frame + bytes(max(sizes) - len(frame))
             # mx.array reads and exposes the buffer protocol; its type stubs do not say so.
             data = mx.distributed.all_gather(mx.array(cast(Any, memoryview(padded))), stream=mx.cpu)
@@ -124,6 +129,11 @@ def same_input(ranks: Ranks, files: list[str], problem: str | None) -> str | Non
     return None
 
 
+def broadcast(ranks: Ranks, data: bytes) -> bytes:
+    """Rank 0's ``data`` on every rank (what the others pass is ignored): e.g. what ``--resume`` skips."""
+    return ranks.gather(data if ranks.rank == 0 else b"")[0]
+
+
 def encode_event(event: Event) -> dict[str, Any]:
     """An event as a JSON object with every field (``index`` and unrounded rates included)."""
     return {"kind": event.kind, **dataclasses.asdict(event)}
@@ -159,7 +169,7 @@ def run(
     """
     from .pipeline import run as run_pipeline
 
-    mine = (r for r in records if (r.index - 1) % ranks.size == ranks.rank)
+    mine = (r for n, r in enumerate(records) if n % ranks.size == ranks.rank)
     own = run_pipeline(mine, engine, should_stop, batch=batch, ordered=ordered)
     try:
         while True:

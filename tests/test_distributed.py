@@ -108,7 +108,7 @@ def test_each_record_once_in_input_order_on_every_rank(size: int) -> None:
     assert isinstance(finals[4], Error) and finals[4].line == 5
     asked = sorted(rec.index for engine in engines for rec in engine.history)
     assert asked == [1, 2, 3, 4, 6, 7]  # each good record generated once, on one rank
-    for r, engine in enumerate(engines):
+    for r, engine in enumerate(engines):  # round-robin by position
         assert all((rec.index - 1) % size == r for rec in engine.history)
     # One gather per round on every rank, plus the last one in which rank 0 says it has no record left.
     assert {rk.gathers for rk in ranks} == {-(-7 // size) + 1}
@@ -120,6 +120,26 @@ def test_a_rank_stopped_by_a_signal_stops_every_rank_after_its_round() -> None:
     for events in out:  # rank 1 answered nothing, so only record 1 is written: no hole in the output
         assert [e.index for e in events if isinstance(e, Done)] == [1]
     assert {rk.stop_signal for rk in ranks} == {2}
+
+
+def test_records_skipped_on_every_rank_leave_no_rank_idle() -> None:
+    # As --resume does after a run that lost rank 1: the records left are every second one.
+    board = _Board(2)
+    ranks = [ThreadRanks(r, board) for r in range(2)]
+    engines = [FakeEngine(), FakeEngine()]
+    out: list[list[Event]] = [[], []]
+
+    def rank_main(r: int) -> None:
+        left = [rec for rec in _records(_jsonl(8, bad=0), jsonl=True) if rec.index % 2 == 0]
+        out[r] = list(distributed.run(left, engines[r], ranks[r], lambda: False, lambda: None))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert [e.index for e in out[0] if isinstance(e, Done)] == [2, 4, 6, 8]
+    assert [[rec.index for rec in e.history] for e in engines] == [[2, 6], [4, 8]]
 
 
 def test_events_survive_the_wire() -> None:
@@ -267,6 +287,31 @@ def test_a_rank_without_the_input_file_is_named(tmp_path: Path) -> None:
     message = "mlxpipe: error: rank 1: cannot open in.txt: No such file or directory\n"
     assert err.count(message) == 1 and err.count("mlxpipe") == 1
     assert "Node with rank 0 exited with code 2" in err
+
+
+GATHER = """
+from mlxpipe.distributed import Ranks, broadcast
+ranks = Ranks.init()
+print(ranks.rank, ranks.size, ranks.gather(b"x" * (3 + 5 * ranks.rank)), ranks.gather(b""),
+      broadcast(ranks, b"from 0" if ranks.rank == 0 else b"ignored"), flush=True)
+"""
+
+
+def test_gather_and_broadcast_over_the_ring() -> None:
+    if not LAUNCH.exists():
+        pytest.skip("mlx.launch is not installed next to this python")
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--python", sys.executable]
+    p = subprocess.Popen(
+        [*cmd, "--", "-c", GATHER],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+    )
+    out, err = _finish(p, timeout=120)
+    assert sorted(out.decode().splitlines()) == [
+        f"{rank} 2 [b'xxx', b'xxxxxxxx'] [b'', b''] b'from 0'" for rank in (0, 1)
+    ], err
 
 
 def _rank_pid(tag: str, rank: int) -> int | None:
