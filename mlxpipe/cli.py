@@ -267,7 +267,7 @@ def _main(argv: list[str] | None, console: Console) -> int:
         return EXIT_USAGE
 
     # Imported late: mlx takes a while to import, and --help need not wait.
-    from .distributed import RankLost, Ranks, same_input
+    from .distributed import RankLost, Ranks, RanksDisagree, same_input
     from .distributed import run as run_ranks
 
     global _WHO
@@ -364,6 +364,12 @@ def _main(argv: list[str] | None, console: Console) -> int:
             events.close()
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_OK
+        except RanksDisagree as exc:
+            _say(
+                f"mlxpipe: error: the ranks of the mlx.launch job read different records ({exc}); every rank "
+                f"needs the same input (and --resume file); the first {stats.records} records were written"
+            )
+            return EXIT_FAILED
         except RankLost as exc:
             _say(
                 f"mlxpipe: error: lost a rank of the mlx.launch job ({exc}); the first {stats.records} "

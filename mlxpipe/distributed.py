@@ -17,15 +17,17 @@ position ``k * size + rank``), then all ranks call :meth:`Ranks.gather` with one
 1. ``all_gather`` of one int32 per rank: the byte length of each rank's frame;
 2. ``all_gather`` of a uint8 buffer as long as the longest frame (shorter frames zero-padded).
 
-A frame is UTF-8 JSON ``{"events": [...], "end": bool, "stop": int}``: the record's chunk events and its
-one final event (see :func:`encode_event`), ``end`` once the rank has no record left, and ``stop`` the
-signal number that interrupted it (0 if none). After the gather every rank holds the round's records in
-rank order, which is input order, and takes them up to the first rank that sent no record: at the end of
-the input that is where the records run out; when a rank was stopped before its next record, the later
-ranks' records of that round are dropped, so the output is always records 1..K, whole and in order, and a
-rerun with ``--resume`` does the rest. The run ends after the round in which every rank says ``end``, or
-any rank says ``stop``. Rank 0's own record is first in every round, so it streams live; the other ranks'
-records follow when the round's gather returns.
+A frame is UTF-8 JSON ``{"events": [...], "end": bool, "stop": int, "at": int | null}``: the record's
+chunk events and its one final event (see :func:`encode_event`), ``end`` once the rank has no record left,
+``stop`` the signal number that interrupted it (0 if none), and ``at`` the record's position, which rank 0
+checks against its own reading (a mismatch raises :class:`RanksDisagree`).
+
+After the gather every rank holds the round's records in rank order, which is input order, and takes them
+up to the first rank that sent no record: at the end of the input that is where the records run out; when
+a rank was stopped before its next record, the later ranks' records of that round are dropped, so the
+output is always records 1..K, whole and in order, and a rerun with ``--resume`` does the rest. The run
+ends after the round in which every rank says ``end``, or any rank says ``stop``. Rank 0's own record is
+first in every round, so it streams live; the other ranks' records follow when the round's gather returns.
 
 ``all_gather`` is used rather than ``send``/``recv`` because the ring backend only sends to its two
 neighbours, while a collective reaches rank 0 from any number of hosts. A rank that dies closes its
@@ -38,7 +40,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
@@ -54,6 +56,44 @@ _KINDS: dict[str, type[Chunk] | type[Done] | type[Error]] = {"chunk": Chunk, "do
 
 class RankLost(Exception):
     """Another rank of the job went away (it died, or its host dropped off): the run cannot go on."""
+
+
+class RanksDisagree(Exception):
+    """Another rank read a different stream of records (another input, another ``--resume`` file)."""
+
+
+class _Ledger:
+    """Rank 0's check that every rank answers the record rank 0 read at that rank's positions.
+
+    Rank 0's reader notes the record number at each position another rank owns; each record gathered
+    from a rank is a claim (position, number), settled once rank 0's reader has passed that position.
+    Only unsettled positions are kept: about one round's worth.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.seen: dict[int, int] = {}  # position -> record number, as rank 0 read it
+        self.claims: dict[int, int] = {}  # position -> record number, as its rank answered it
+
+    def settle(self, final: bool) -> None:
+        """Compare what can be compared; at the end, every position must have been both read and answered."""
+        for position, number in list(self.claims.items()):
+            if position in self.seen:
+                read = self.seen.pop(position)
+                del self.claims[position]
+                if read != number:
+                    rank = position % self.size
+                    raise RanksDisagree(
+                        f"rank {rank} answered record {number} where rank 0 read record {read}"
+                    )
+        if final and self.claims:
+            position, number = next(iter(self.claims.items()))
+            raise RanksDisagree(
+                f"rank {position % self.size} answered record {number}, past the end of rank 0's input"
+            )
+        if final and self.seen:
+            position, read = next(iter(self.seen.items()))
+            raise RanksDisagree(f"rank {position % self.size} never answered record {read}")
 
 
 def launched() -> bool:
@@ -145,8 +185,8 @@ def decode_event(obj: dict[str, Any]) -> Event:
     return _KINDS[fields.pop("kind")](**fields)
 
 
-def _frame(events: list[Event], end: bool, stop: int) -> bytes:
-    body = {"events": [encode_event(e) for e in events], "end": end, "stop": stop}
+def _frame(events: list[Event], end: bool, stop: int, at: int | None) -> bytes:
+    body = {"events": [encode_event(e) for e in events], "end": end, "stop": stop, "at": at}
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
@@ -169,28 +209,44 @@ def run(
     """
     from .pipeline import run as run_pipeline
 
-    mine = (r for n, r in enumerate(records) if n % ranks.size == ranks.rank)
-    own = run_pipeline(mine, engine, should_stop, batch=batch, ordered=ordered)
+    ledger = _Ledger(ranks.size) if ranks.rank == 0 else None
+    positions: dict[int, int] = {}  # record number -> position, for this rank's records in flight
+
+    def mine() -> Iterator[Record | BadRecord]:
+        for n, record in enumerate(records):
+            if n % ranks.size == ranks.rank:
+                positions[record.index] = n
+                yield record
+            elif ledger is not None:
+                ledger.seen[n] = record.index
+
+    own = run_pipeline(mine(), engine, should_stop, batch=batch, ordered=ordered)
     try:
         while True:
             events: list[Event] = []
-            end = True
+            end, at = True, None
             for event in own:
                 events.append(event)
                 if ranks.rank == 0:
                     yield event
                 if isinstance(event, FINAL_EVENTS):
-                    end = False
+                    end, at = False, positions.pop(event.index, None)
                     break
             stop = (signal_number() or 0) if should_stop() else 0
-            frames = [json.loads(f) for f in ranks.gather(_frame(events, end, stop))]
+            frames = [json.loads(f) for f in ranks.gather(_frame(events, end, stop, at))]
             for rank, frame in enumerate(frames):
-                if not any(e["kind"] in ("done", "error") for e in frame["events"]):
+                finals = [e for e in frame["events"] if e["kind"] in ("done", "error")]
+                if not finals:
                     break  # a rank without a record ends the round: the output stays a prefix of the input
+                if ledger is not None and rank:
+                    ledger.claims[frame["at"]] = finals[-1]["index"]
                 if rank != 0 or ranks.rank != 0:
                     yield from (decode_event(e) for e in frame["events"])
             ranks.stop_signal = next((f["stop"] for f in frames if f["stop"]), 0)
-            if ranks.stop_signal or all(f["end"] for f in frames):
+            last = ranks.stop_signal or all(f["end"] for f in frames)
+            if ledger is not None:
+                ledger.settle(final=bool(last) and not ranks.stop_signal)
+            if last:
                 return
     finally:
         own.close()

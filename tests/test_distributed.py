@@ -142,6 +142,30 @@ def test_records_skipped_on_every_rank_leave_no_rank_idle() -> None:
     assert [[rec.index for rec in e.history] for e in engines] == [[2, 6], [4, 8]]
 
 
+@pytest.mark.parametrize("skip", [2, 5, 6])
+def test_rank_0_notices_a_rank_that_read_other_records(skip: int) -> None:
+    # Rank 1 read a stream without record `skip` (another input, or another --resume file).
+    board = _Board(2)
+    ranks = [ThreadRanks(r, board) for r in range(2)]
+    raised: list[BaseException | None] = [None, None]
+
+    def rank_main(r: int) -> None:
+        records = [rec for rec in _records(_jsonl(7, bad=0), jsonl=True) if r == 0 or rec.index != skip]
+        try:
+            list(distributed.run(records, FakeEngine(), ranks[r], lambda: False, lambda: None))
+        except BaseException as exc:
+            raised[r] = exc
+            board.barrier.abort()  # as a rank that exits closes its sockets
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert isinstance(raised[0], distributed.RanksDisagree), raised
+    assert "rank 1" in str(raised[0])
+
+
 def test_events_survive_the_wire() -> None:
     events: list[Event] = [
         Chunk(3, "a", "Bonjour ✓", 2, 12.3456789),
