@@ -309,7 +309,7 @@ def _main(argv: list[str] | None, console: Console) -> int:
     stats = Stats()
     try:
         try:
-            engine = Engine.load(args.model)
+            engine = Engine.load(args.model, dtype=args.dtype)
         except ModelError as exc:
             _say(f"mlxpipe: error: {exc}")
             return EXIT_MODEL

@@ -11,20 +11,30 @@ The first part's KV cache is computed once and reused (see :meth:`Engine.prefix_
 only on the record itself, never on its neighbours, so an answer does not change with what came before.
 """
 
+# ruff: noqa: E402  (blas.setup() has to run before the first import of mlx)
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import blas
+
+blas.setup()  # before mlx is first imported: it decides which BLAS mlx's matmuls bind to
+
 import mlx.core as mx
 import mlx_lm
+from mlx.nn.layers.base import Module
+from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator, TextStateMachine
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import dequantize_model
 
 from . import models
 from .events import Chunk, Done, Error
@@ -55,13 +65,21 @@ class Engine:
     """A loaded model and tokenizer, ready to answer records one after another."""
 
     def __init__(
-        self, model: Any, tokenizer: TokenizerWrapper, source: models.ModelSource, folder: str
+        self,
+        model: Any,
+        tokenizer: TokenizerWrapper,
+        source: models.ModelSource,
+        folder: str,
+        dtype: str = "quantized",
+        dtype_reason: str = "as loaded",
     ) -> None:
         # model is an mlx.nn.Module, which mlx's package does not export to type checkers.
         self.model = model
         self.tokenizer = tokenizer
         self.source = source
         self.folder = folder
+        self.dtype = dtype
+        self.dtype_reason = dtype_reason
         self.context_length = int(models.describe(source, folder).get("context_length") or 0)
         self.reuse_prefix = True
         self._prefixes: OrderedDict[tuple[int, ...], list[Any]] = OrderedDict()
@@ -69,8 +87,11 @@ class Engine:
         self._grammars: Grammars | None = None
 
     @classmethod
-    def load(cls, spec: str | None = None) -> Engine:
-        """Resolve ``spec`` (see :func:`mlxpipe.models.resolve`) and load it, or raise ``ModelError``."""
+    def load(cls, spec: str | None = None, dtype: str = "auto") -> Engine:
+        """Resolve ``spec`` (see :func:`mlxpipe.models.resolve`) and load it, or raise ``ModelError``.
+
+        ``dtype`` is one of :data:`DTYPES`; :func:`choose_dtype` says what ``auto`` picks.
+        """
         source = models.resolve(spec)
         folder = models.materialize(source)
         try:
@@ -79,12 +100,16 @@ class Engine:
         except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds; the user needs one line
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise models.ModelError(f"cannot load model {source.spec!r}: {first}") from None
-        return cls(model, tokenizer, source, folder)
+        used, reason = choose_dtype(model, dtype)
+        return cls(apply_dtype(model, used), tokenizer, source, folder, used, reason)
 
     def info(self) -> dict[str, Any]:
-        """What ``--model-info`` prints: the model's description plus the compute device."""
+        """What ``--model-info`` prints: the model's description, compute device, dtype and BLAS."""
         info = models.describe(self.source, self.folder)
         info["device"] = str(mx.default_device())
+        info["dtype"] = self.dtype
+        info["dtype_reason"] = self.dtype_reason
+        info["blas"] = blas.setup().info()
         return info
 
     # -----------------------------------------------------------------------------------------
@@ -568,6 +593,88 @@ class Batch:
                 )
             )
         return events
+
+
+# --dtype: the weights' type for computing. "quantized" keeps quantized layers as the model folder has them.
+DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
+_FLOATS = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+_QUANTIZED = (QuantizedLinear, QuantizedEmbedding)
+
+
+def _accelerator() -> str | None:
+    """The GPU backend mlx computes on by default (metal or cuda), or None on a CPU."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)  # mlx.core.cuda exists only in newer mlx builds
+    return "cuda" if cuda is not None and cuda.is_available() else "gpu"
+
+
+def _is_quantized(model: Any) -> bool:
+    return any(isinstance(m, _QUANTIZED) for _, m in model.named_modules())
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory free for the model: MemAvailable on Linux, else physical memory; None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _parameter_count(model: Any) -> int:
+    """Logical weights in ``model``; a quantized layer counts the values it packs, not its uint32 words."""
+    total = 0
+    for _, m in model.named_modules():
+        if isinstance(m, _QUANTIZED):
+            total += m.scales.size * m.group_size + (m.bias.size if "bias" in m else 0)
+        elif not tree_flatten(m.children(), is_leaf=lambda x: isinstance(x, Module)):
+            leaves: Any = tree_flatten(m.parameters())
+            total += sum(int(v.size) for _, v in leaves)
+    return total
+
+
+def choose_dtype(model: Any, requested: str) -> tuple[str, str]:
+    """The dtype to compute in for ``requested`` (one of :data:`DTYPES`), and why.
+
+    ``auto``: on a GPU keep quantized weights (the fast single-stream path there); on a CPU use float32
+    (mlx's quantized CPU kernels are slow and do not batch; float32 with a fast BLAS was 2.6x faster single
+    and 13x at batch 16) when an optimized BLAS is in use and the float32 weights fit in half the
+    available memory.
+    """
+    if requested not in DTYPES:
+        raise models.ModelError(f"unknown dtype {requested!r} (choose from {', '.join(DTYPES)})")
+    if requested != "auto":
+        return requested, "asked for with --dtype"
+    accelerator = _accelerator()
+    if accelerator is not None:
+        return "quantized", f"auto on {accelerator}: quantized weights"
+    if blas.setup().reference:
+        return "quantized", "auto on cpu: no optimized BLAS, so float32 matmuls would be slow"
+    need = _parameter_count(model) * 4
+    free = _available_memory()
+    if free is not None and need > free // 2:
+        return "quantized", f"auto on cpu: float32 weights ({need / 1e9:.1f} GB) exceed half the free memory"
+    return "float32", "auto on cpu: float32 weights and an optimized BLAS (faster than quantized kernels)"
+
+
+def apply_dtype(model: Any, dtype: str) -> Any:
+    """Turn ``model`` into ``dtype`` in place: dequantize with mlx-lm's helper, then cast floating weights."""
+    if dtype == "quantized":
+        return model
+    if _is_quantized(model):
+        model = dequantize_model(model)
+    model.set_dtype(_FLOATS[dtype])
+    mx.eval(model.parameters())
+    return model
 
 
 class StopStrings:

@@ -453,7 +453,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer, tokenizer_config, eos_ids = _tokenizer_files(gguf_path, metadata)
     config["eos_token_id"] = eos_ids
 
-    # mlx is needed only here, so importing this module stays cheap.
+    # mlx is needed only here, so importing this module stays cheap; the BLAS goes in before mlx does.
+    from . import blas
+
+    blas.setup()
     import mlx.core as mx
 
     try:

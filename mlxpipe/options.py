@@ -287,6 +287,15 @@ OPTIONS: tuple[Option, ...] = (
         "allows.",
     ),
     Option(
+        ("--dtype",),
+        "model",
+        "Weights' type for computing: auto picks the fastest per backend (on a CPU float32 when memory "
+        "allows, with an optimized BLAS on Linux; on a GPU the quantized weights as loaded).",
+        metavar="TYPE",
+        choices=("auto", "float32", "float16", "bfloat16", "quantized"),
+        default="auto",
+    ),
+    Option(
         ("--model-info",), "model", "Print a JSON description of the model and exit.", action="store_true"
     ),
     # General

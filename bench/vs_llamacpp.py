@@ -1,0 +1,211 @@
+"""mlxpipe against llama.cpp on the same GGUF file, measured side by side in one run.
+
+    flock -x /tmp/mlxpipe-cpu.lock python bench/vs_llamacpp.py [--threads 2] [--max-tokens 128] [--batch 16]
+
+Both engines get the same prompt token ids (the embedded model's chat template, applied by mlxpipe), greedy
+decoding, and the same thread count (llama.cpp's n_threads/n_threads_batch; OpenBLAS's thread count for
+mlxpipe, which is set before mlx is imported). Per record it takes the time to first token and the decode
+rate after it ((tokens - 1) / (last - first)), timed from outside each engine in the same way.
+
+Single stream: records one after another. Batched: mlxpipe's ``--batch`` path (``mlxpipe.run(batch=N)``) when
+this checkout has it, else mlx-lm's ``batch_generate`` on the same loaded model (said in the output);
+aggregate = all generated tokens / wall time. llama.cpp is compared by its single stream (llama-cpp-python
+has no batched generation API). Installs nothing: llama.cpp is measured only when ``llama_cpp`` imports
+(``pip install -e '.[bench]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator works to a ten-year-old.",
+    "Describe a walk through a busy market in the morning.",
+    "Write a letter to a friend about learning to play the guitar.",
+    "Explain why the sky is blue, in detail.",
+    "Write a poem about autumn leaves and the first frost.",
+    "Describe the life cycle of a butterfly step by step.",
+    "Give advice to someone starting their first job.",
+]
+
+
+@dataclass
+class Run:
+    """One record's timings: seconds to the first token, to the last, and tokens generated."""
+
+    first: float
+    last: float
+    tokens: int
+    text: str
+
+    @property
+    def decode_tps(self) -> float:
+        span = self.last - self.first
+        return (self.tokens - 1) / span if self.tokens > 1 and span > 0 else 0.0
+
+
+def summarize(name: str, runs: list[Run]) -> dict[str, float]:
+    """Median time to first token and decode rate over all tokens after the first."""
+    tokens = sum(r.tokens - 1 for r in runs)
+    span = sum(r.last - r.first for r in runs)
+    out = {
+        "ttft_ms": statistics.median(r.first for r in runs) * 1000,
+        "decode_tps": tokens / span if span > 0 else 0.0,
+        "tokens": float(sum(r.tokens for r in runs)),
+    }
+    print(
+        f"{name:<34} ttft {out['ttft_ms']:8.1f} ms   decode {out['decode_tps']:7.1f} tok/s   "
+        f"({int(out['tokens'])} tokens, {len(runs)} records)",
+        flush=True,
+    )
+    return out
+
+
+def llamacpp_single(path: str, prompts: list[list[int]], max_tokens: int, threads: int) -> list[Run] | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("llama.cpp: llama_cpp is not importable (pip install -e '.[bench]'); skipped", flush=True)
+        return None
+    llm = Llama(
+        model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False, seed=0
+    )
+    eos = llm.token_eos()
+
+    def one(tokens: list[int]) -> Run:
+        llm.reset()  # no reuse of the previous prompt's KV cache: each prompt is processed in full
+        start = time.perf_counter()
+        first = last = 0.0
+        out: list[int] = []
+        for tok in llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+            now = time.perf_counter() - start
+            if tok == eos:
+                break
+            out.append(tok)
+            first = first or now
+            last = now
+            if len(out) >= max_tokens:
+                break
+        return Run(first, last, len(out), llm.detokenize(out).decode(errors="replace"))
+
+    one(prompts[0][:8])  # warm-up
+    return [one(p) for p in prompts]
+
+
+def mlxpipe_single(engine: Any, records: list[Any]) -> list[Run]:
+    from mlxpipe import run
+    from mlxpipe.events import Chunk, Done
+
+    runs = []
+    for record in records:
+        start = time.perf_counter()
+        first = 0.0
+        for event in run([record], engine):
+            now = time.perf_counter() - start
+            if isinstance(event, Chunk) and not first:
+                first = now
+            elif isinstance(event, Done):
+                runs.append(Run(first or now, now, event.tokens, event.text))
+    return runs
+
+
+def mlxpipe_batched(engine: Any, records: list[Any], size: int) -> tuple[str, float, int, float]:
+    """(how, aggregate tok/s, tokens, median time to first token in s) for ``size`` records at once."""
+    from mlxpipe import run
+    from mlxpipe.events import Chunk, Done
+
+    if "batch" in inspect.signature(run).parameters:
+        how = f"mlxpipe --batch {size}"
+        start = time.perf_counter()
+        firsts: dict[int, float] = {}
+        tokens = 0
+        for event in run(iter(records), engine, batch=size):
+            now = time.perf_counter() - start
+            if isinstance(event, Chunk):
+                firsts.setdefault(event.index, now)
+            elif isinstance(event, Done):
+                tokens += event.tokens
+        wall = time.perf_counter() - start
+        return how, tokens / wall, tokens, statistics.median(firsts.values()) if firsts else 0.0
+    # This checkout has no --batch yet: mlx-lm's own continuous batching on the same model and dtype.
+    from mlx_lm import batch_generate
+
+    how = f"mlx_lm.batch_generate x{size} (no --batch yet)"
+    prompts = [engine.encode(r) for r in records]
+    start = time.perf_counter()
+    resp = batch_generate(
+        engine.model,
+        engine.tokenizer,
+        prompts,
+        max_tokens=records[0].settings.max_tokens,
+        return_token_ids=True,
+    )
+    wall = time.perf_counter() - start
+    tokens = sum(len(t) for t in resp.token_ids)
+    return how, tokens / wall, tokens, float("nan")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--records", type=int, default=4, help="records for each single-stream run")
+    parser.add_argument("--batch", type=int, default=16, help="records generated together (0: skip)")
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+
+    # OpenBLAS reads its thread count when it is loaded, which mlxpipe.engine does on import.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
+    from mlxpipe import models, records_from_objects
+    from mlxpipe.engine import Engine
+    from mlxpipe.io import Settings
+
+    gguf = models.resolve(None).path
+    assert gguf is not None
+    settings = Settings(max_tokens=args.max_tokens, temperature=0.0)
+    engine = Engine.load(None, dtype=args.dtype)
+    info = engine.info()
+    print(f"model: {gguf.name}   threads: {args.threads}   max tokens: {args.max_tokens}")
+    print(f"mlxpipe: dtype {info['dtype']}, device {info['device']}, BLAS {info['blas']}")
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(args.records, args.batch))]
+    records = list(records_from_objects(prompts, settings))
+    tokens = [engine.encode(r) for r in records]
+
+    mlxpipe_single(engine, records[:1])  # warm-up
+    our_runs = mlxpipe_single(engine, records[: args.records])
+    ours = summarize(f"mlxpipe single ({info['dtype']})", our_runs)
+    base_runs = llamacpp_single(str(gguf), tokens[: args.records], args.max_tokens, args.threads)
+    base = summarize("llama.cpp single", base_runs) if base_runs else None
+    if base_runs:
+        same = sum(a.text.strip() == b.text.strip() for a, b in zip(our_runs, base_runs, strict=True))
+        print(f"greedy texts identical in both engines: {same} of {len(base_runs)}")
+    batched = None
+    if args.batch:
+        how, tps, n, ttft = mlxpipe_batched(engine, records[: args.batch], args.batch)
+        batched = tps
+        print(f"{how:<34} aggregate {tps:7.1f} tok/s ({n} tokens), median ttft {ttft * 1000:.0f} ms")
+
+    print()
+    if base:
+        print(
+            f"single stream decode: mlxpipe/llama.cpp = {ours['decode_tps'] / base['decode_tps']:.2f}x "
+            "(goal >= 0.5)"
+        )
+        print(f"time to first token: mlxpipe/llama.cpp = {ours['ttft_ms'] / base['ttft_ms']:.2f}x")
+        if batched is not None:
+            print(f"batched aggregate / llama.cpp single = {batched / base['decode_tps']:.2f}x (goal >= 2)")
+    else:
+        print("no llama.cpp baseline: ratios not computed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Give mlx an optimized BLAS on Linux CPUs, loaded before mlx is imported.
+
+The Linux ``mlx-cpu`` wheel bundles the reference (netlib) BLAS, about 30x slower at float32 matrix products
+than OpenBLAS here. Loading a BLAS that exports the same symbol names into the global namespace *before*
+``import mlx.core`` makes mlx's matmuls resolve to it. :func:`setup` does that, once, and records why it did
+or did not, for ``--model-info``. It imports nothing from mlx.
+
+Decision, in order:
+
+- ``MLXPIPE_BLAS=off`` (or 0/no/false/none): load nothing. ``MLXPIPE_BLAS=/path/lib.so``: load that library.
+- Not Linux (macOS uses Accelerate; Windows is out of scope): load nothing.
+- mlx already imported: too late, load nothing.
+- mlx's own BLAS is not the reference one: load nothing. Detected without importing mlx: the Linux wheels are
+  repaired by auditwheel, which vendors the netlib ``libblas`` as ``mlx*.libs/libblas-<hash>.so*`` next to
+  the ``mlx`` package; a build of mlx against an optimized BLAS has no such file.
+- Otherwise the first of these that loads: ``cmeel-openblas``'s ``libopenblas.so.0`` (the ``cpu`` extra
+  installs it; it needs the system's gfortran runtime, ``libgfortran.so.5``), then a system ``libopenblas``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENV", "BlasChoice", "choose", "setup"]
+
+ENV = "MLXPIPE_BLAS"
+_OFF = {"off", "0", "no", "false", "none"}
+
+# Where Debian/Ubuntu, Fedora and Arch put OpenBLAS (the pthread build first: it is the fast default).
+_SYSTEM_PATTERNS = (
+    "/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/*-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+
+
+@dataclass(frozen=True)
+class BlasChoice:
+    """What :func:`setup` decided: the library loaded (None if none) and why."""
+
+    library: str | None
+    source: str  # cmeel-openblas, system, MLXPIPE_BLAS, or "mlx" when mlx's own BLAS is used
+    reason: str
+    config: str | None = None  # OpenBLAS's own description (version, kernel, threads)
+    failed: tuple[str, ...] = field(default=())  # candidates that would not load, with the loader's message
+    reference: bool = False  # mlx computes with the reference BLAS it bundles (slow float32 matmuls)
+
+    def info(self) -> dict[str, Any]:
+        """The ``blas`` entry of ``--model-info``."""
+        out: dict[str, Any] = {"library": self.library, "source": self.source, "reason": self.reason}
+        out["reference_blas"] = self.reference
+        if self.config:
+            out["config"] = self.config
+        if self.failed:
+            out["failed"] = list(self.failed)
+        return out
+
+
+_choice: BlasChoice | None = None
+
+
+def setup() -> BlasChoice:
+    """Decide and load the BLAS once per process (later calls return the first decision). Never raises."""
+    global _choice
+    if _choice is None:
+        _choice = choose()
+    return _choice
+
+
+def choose() -> BlasChoice:
+    """Decide and, if it is worth it, load a BLAS now; :func:`setup` is the cached entry point."""
+    setting = os.environ.get(ENV, "").strip()
+    if _platform() != "linux":
+        return BlasChoice(None, "mlx", f"not Linux ({_platform()}): mlx's own BLAS")
+    reference = _reference_blas()
+    if setting.lower() in _OFF:
+        return BlasChoice(None, "mlx", f"turned off by {ENV}={setting}", reference=reference is not None)
+    if _mlx_imported():
+        reason = "mlx was imported before mlxpipe could load a BLAS"
+        return BlasChoice(None, "mlx", reason, reference=reference is not None)
+    if setting and setting.lower() != "auto":
+        return _load_first([(ENV, setting)], f"{ENV}={setting} could not be loaded", reference)
+    if reference is None:
+        return BlasChoice(None, "mlx", "mlx does not bundle the reference BLAS: its own BLAS is used")
+    return _load_first(
+        _candidates(), "no optimized BLAS could be loaded (pip install cmeel-openblas)", reference
+    )
+
+
+def _load_first(candidates: list[tuple[str, str]], none_reason: str, reference: str | None) -> BlasChoice:
+    failed: list[str] = []
+    for source, path in candidates:
+        try:
+            handle = _load(path)
+        except OSError as exc:
+            failed.append(f"{path}: {exc}")
+            continue
+        return BlasChoice(path, source, "loaded before mlx", _openblas_config(handle), tuple(failed))
+    return BlasChoice(None, "mlx", none_reason, None, tuple(failed), reference=reference is not None)
+
+
+# The probes below are separate functions so that tests can replace each one.
+
+
+def _platform() -> str:
+    return sys.platform
+
+
+def _mlx_imported() -> bool:
+    return "mlx.core" in sys.modules
+
+
+def _load(path: str) -> Any:
+    # RTLD_GLOBAL: mlx's libmlx.so then binds its cblas_*/sgemm_ symbols to this library.
+    return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
+def _reference_blas() -> str | None:
+    """The reference BLAS vendored into the mlx wheel, if any (found from file names; mlx is not imported)."""
+    try:
+        spec = importlib.util.find_spec("mlx")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return _vendored_reference_blas(list(spec.submodule_search_locations))
+
+
+def _vendored_reference_blas(package_dirs: list[str]) -> str | None:
+    # auditwheel puts a wheel's bundled libraries in <dist>.libs beside the package, names hashed.
+    for location in package_dirs:
+        libs = sorted(glob.glob(os.path.join(os.path.dirname(location), "mlx*.libs", "libblas*.so*")))
+        if libs:
+            return libs[0]
+    return None
+
+
+def _candidates() -> list[tuple[str, str]]:
+    """Optimized BLAS libraries present on this machine, best first: (source, path)."""
+    found: list[tuple[str, str]] = []
+    try:
+        files = importlib.metadata.files("cmeel-openblas") or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for f in files:
+        if f.name == "libopenblas.so.0":
+            path = Path(str(f.locate()))
+            if path.is_file():
+                found.append(("cmeel-openblas", str(path)))
+    for pattern in _SYSTEM_PATTERNS:
+        found += [("system", p) for p in sorted(glob.glob(pattern))]
+    if not any(source == "system" for source, _ in found):
+        name = ctypes.util.find_library("openblas")  # asks ldconfig; only when the usual paths had nothing
+        if name:
+            found.append(("system", name))
+    return found
+
+
+def _openblas_config(handle: Any) -> str | None:
+    try:
+        get_config = handle.openblas_get_config
+    except AttributeError:
+        return None
+    get_config.restype = ctypes.c_char_p
+    try:
+        threads = int(handle.openblas_get_num_threads())
+    except AttributeError:
+        threads = 0
+    text = (get_config() or b"").decode(errors="replace").strip()
+    return f"{text} threads={threads}" if threads else text

@@ -1,0 +1,156 @@
+"""The BLAS loader's decision (present, absent, turned off, macOS, mlx already imported), without loading one.
+
+Each probe of :mod:`mlxpipe.blas` is replaced, so these tests run in milliseconds and load no library.
+The end-to-end check that a real BLAS is picked up is the --model-info test at the bottom (real model).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import cli_env, run_cli
+
+from mlxpipe import blas
+
+REFERENCE = "/venv/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
+CMEEL = ("cmeel-openblas", "/venv/site-packages/cmeel.prefix/lib/libopenblas.so.0")
+SYSTEM = ("system", "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
+
+
+class FakeLibrary:
+    """What ctypes.CDLL returns, as far as the loader looks at it."""
+
+    def __init__(self) -> None:
+        self.openblas_get_config = lambda: b"OpenBLAS 0.3.31 SKYLAKEX MAX_THREADS=4"
+        self.openblas_get_num_threads = lambda: 2
+
+
+@pytest.fixture
+def machine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """A Linux machine with mlx-cpu's reference BLAS and cmeel-openblas; tests change what they need."""
+    state: dict[str, Any] = {
+        "platform": "linux",
+        "imported": False,
+        "reference": REFERENCE,
+        "candidates": [CMEEL, SYSTEM],
+        "broken": set(),  # paths whose loading fails
+        "loaded": [],  # paths loaded, in order
+    }
+
+    def load(path: str) -> FakeLibrary:
+        if path in state["broken"]:
+            raise OSError("libgfortran.so.5: cannot open shared object file: No such file or directory")
+        state["loaded"].append(path)
+        return FakeLibrary()
+
+    monkeypatch.delenv(blas.ENV, raising=False)
+    monkeypatch.setattr(blas, "_platform", lambda: state["platform"])
+    monkeypatch.setattr(blas, "_mlx_imported", lambda: state["imported"])
+    monkeypatch.setattr(blas, "_reference_blas", lambda: state["reference"])
+    monkeypatch.setattr(blas, "_candidates", lambda: list(state["candidates"]))
+    monkeypatch.setattr(blas, "_load", load)
+    return state
+
+
+def test_loads_cmeel_openblas_first_when_mlx_has_the_reference_blas(machine: dict[str, Any]) -> None:
+    choice = blas.choose()
+    assert machine["loaded"] == [CMEEL[1]]
+    assert (choice.library, choice.source, choice.reference) == (CMEEL[1], "cmeel-openblas", False)
+    assert choice.config == "OpenBLAS 0.3.31 SKYLAKEX MAX_THREADS=4 threads=2"
+    assert choice.info()["library"] == CMEEL[1]
+
+
+def test_falls_back_to_the_system_library_and_says_why(machine: dict[str, Any]) -> None:
+    machine["broken"] = {CMEEL[1]}
+    choice = blas.choose()
+    assert machine["loaded"] == [SYSTEM[1]]
+    assert choice.source == "system"
+    assert len(choice.failed) == 1 and "libgfortran.so.5" in choice.failed[0]
+    assert choice.info()["failed"] == list(choice.failed)
+
+
+def test_absent_loads_nothing_and_names_the_package(machine: dict[str, Any]) -> None:
+    machine["candidates"] = []
+    choice = blas.choose()
+    assert machine["loaded"] == [] and choice.library is None
+    assert choice.source == "mlx" and "cmeel-openblas" in choice.reason
+    assert choice.reference  # so --dtype auto knows float32 matmuls would be slow
+
+
+def test_every_candidate_broken_loads_nothing(machine: dict[str, Any]) -> None:
+    machine["broken"] = {CMEEL[1], SYSTEM[1]}
+    choice = blas.choose()
+    assert choice.library is None and len(choice.failed) == 2
+
+
+@pytest.mark.parametrize("value", ["off", "OFF", "0", "no", "false", "none"])
+def test_env_var_turns_it_off(machine: dict[str, Any], monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(blas.ENV, value)
+    choice = blas.choose()
+    assert machine["loaded"] == [] and choice.library is None and choice.reference
+    assert blas.ENV in choice.reason
+
+
+def test_env_var_path_forces_that_library(machine: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(blas.ENV, "/opt/blas/libmyblas.so")
+    machine["reference"] = None  # forced even when mlx's BLAS is not the reference one
+    choice = blas.choose()
+    assert machine["loaded"] == ["/opt/blas/libmyblas.so"]
+    assert (choice.library, choice.source) == ("/opt/blas/libmyblas.so", blas.ENV)
+
+
+def test_never_on_macos(machine: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    machine["platform"] = "darwin"
+    assert blas.choose().library is None
+    monkeypatch.setenv(blas.ENV, "/opt/blas/libmyblas.so")  # not even when asked
+    choice = blas.choose()
+    assert machine["loaded"] == [] and choice.library is None and "darwin" in choice.reason
+
+
+def test_not_when_mlx_brings_its_own_optimized_blas(machine: dict[str, Any]) -> None:
+    machine["reference"] = None
+    choice = blas.choose()
+    assert machine["loaded"] == [] and choice.library is None and not choice.reference
+
+
+def test_too_late_once_mlx_is_imported(machine: dict[str, Any]) -> None:
+    machine["imported"] = True
+    choice = blas.choose()
+    assert machine["loaded"] == [] and "imported" in choice.reason
+
+
+def test_setup_decides_once(machine: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blas, "_choice", None)
+    first = blas.setup()
+    machine["candidates"] = []
+    assert blas.setup() is first and machine["loaded"] == [CMEEL[1]]
+
+
+def test_reference_probe_finds_the_wheels_vendored_blas(tmp_path: Path) -> None:
+    # The probe reads file names next to the mlx package; it never imports mlx.
+    package = tmp_path / "site-packages" / "mlx"
+    package.mkdir(parents=True)
+    assert blas._vendored_reference_blas([str(package)]) is None
+    (package.parent / "mlx_cpu.libs").mkdir()
+    (package.parent / "mlx_cpu.libs" / "libgfortran-f7379c93.so.5.0.0").write_bytes(b"")
+    assert blas._vendored_reference_blas([str(package)]) is None
+    lib = package.parent / "mlx_cpu.libs" / "libblas-bd8a282c.so.3.10.0"
+    lib.write_bytes(b"")
+    assert blas._vendored_reference_blas([str(package)]) == str(lib)
+
+
+@pytest.mark.model
+def test_model_info_reports_blas_and_dtype() -> None:
+    r = run_cli(["--model-info"])
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["dtype"] in ("float32", "quantized")  # float32 unless memory is short
+    assert set(info["blas"]) >= {"library", "source", "reason"}
+    r = run_cli(["--model-info", "--dtype", "quantized"], env=cli_env(MLXPIPE_BLAS="off"))
+    assert r.returncode == 0, r.stderr
+    off = json.loads(r.stdout)
+    assert off["dtype"] == "quantized" and off["blas"]["library"] is None
+    assert "MLXPIPE_BLAS" in off["blas"]["reason"]
