@@ -19,6 +19,7 @@ Decision, in order:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import glob
@@ -105,6 +106,7 @@ def _load_first(candidates: list[tuple[str, str]], none_reason: str, reference: 
         except OSError as exc:
             failed.append(f"{path}: {exc}")
             continue
+        _set_threads(handle)
         return BlasChoice(path, source, "loaded before mlx", _openblas_config(handle), tuple(failed))
     return BlasChoice(None, "mlx", none_reason, None, tuple(failed), reference=reference is not None)
 
@@ -164,6 +166,20 @@ def _candidates() -> list[tuple[str, str]]:
         if name:
             found.append(("system", name))
     return found
+
+
+# OpenBLAS's worker threads spin while they wait: on a CPU shared with other busy processes a run with
+# 2 threads on 2 cores decoded 1.6 tok/s where 1 thread gave 5.4 (bench/RESULTS.md). The user's own
+# OPENBLAS_NUM_THREADS (or OMP_NUM_THREADS) still wins.
+DEFAULT_THREADS = 1
+_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def _set_threads(handle: Any) -> None:
+    if any(os.environ.get(name) for name in _THREAD_VARS):
+        return
+    with contextlib.suppress(AttributeError):  # not OpenBLAS: leave the library's own default
+        handle.openblas_set_num_threads(ctypes.c_int(DEFAULT_THREADS))
 
 
 def _openblas_config(handle: Any) -> str | None:

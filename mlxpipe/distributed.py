@@ -34,6 +34,7 @@ neighbours, while a collective reaches rank 0 from any number of hosts. A rank t
 sockets: the next gather fails on the others and raises :class:`RankLost`.
 """
 
+# ruff: noqa: E402  (blas.setup() has to run before the first import of mlx)
 from __future__ import annotations
 
 import dataclasses
@@ -42,6 +43,10 @@ import json
 import os
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
+
+from . import blas
+
+blas.setup()  # the CLI imports this room before the engine: the BLAS must go in before mlx does
 
 import mlx.core as mx
 

@@ -6,12 +6,13 @@ The end-to-end check that a real BLAS is picked up is the --model-info test at t
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli_env, run_cli
+from conftest import REPO, cli_env, run_cli
 
 from mlxpipe import blas
 
@@ -24,8 +25,12 @@ class FakeLibrary:
     """What ctypes.CDLL returns, as far as the loader looks at it."""
 
     def __init__(self) -> None:
+        self.threads = 2
         self.openblas_get_config = lambda: b"OpenBLAS 0.3.31 SKYLAKEX MAX_THREADS=4"
-        self.openblas_get_num_threads = lambda: 2
+        self.openblas_get_num_threads = lambda: self.threads
+
+    def openblas_set_num_threads(self, n: Any) -> None:
+        self.threads = n.value
 
 
 @pytest.fixture
@@ -47,6 +52,8 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         return FakeLibrary()
 
     monkeypatch.delenv(blas.ENV, raising=False)
+    for name in blas._THREAD_VARS:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(blas, "_platform", lambda: state["platform"])
     monkeypatch.setattr(blas, "_mlx_imported", lambda: state["imported"])
     monkeypatch.setattr(blas, "_reference_blas", lambda: state["reference"])
@@ -59,8 +66,13 @@ def test_loads_cmeel_openblas_first_when_mlx_has_the_reference_blas(machine: dic
     choice = blas.choose()
     assert machine["loaded"] == [CMEEL[1]]
     assert (choice.library, choice.source, choice.reference) == (CMEEL[1], "cmeel-openblas", False)
-    assert choice.config == "OpenBLAS 0.3.31 SKYLAKEX MAX_THREADS=4 threads=2"
+    assert choice.config == f"OpenBLAS 0.3.31 SKYLAKEX MAX_THREADS=4 threads={blas.DEFAULT_THREADS}"
     assert choice.info()["library"] == CMEEL[1]
+
+
+def test_users_thread_count_is_kept(machine: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    assert (blas.choose().config or "").endswith("threads=2")
 
 
 def test_falls_back_to_the_system_library_and_says_why(machine: dict[str, Any]) -> None:
@@ -142,6 +154,24 @@ def test_reference_probe_finds_the_wheels_vendored_blas(tmp_path: Path) -> None:
     assert blas._vendored_reference_blas([str(package)]) == str(lib)
 
 
+def test_every_module_importing_mlx_loads_the_blas_first() -> None:
+    # mlx binds its BLAS symbols when first imported: any mlxpipe module that imports mlx at the top
+    # must call blas.setup() before that import, or the optimized BLAS is silently not used.
+    for path in sorted((REPO / "mlxpipe").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        setup_line = None
+        for node in tree.body:
+            if isinstance(node, ast.Expr) and "blas.setup()" in ast.unparse(node):
+                setup_line = node.lineno
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(n == "mlx" or n.startswith(("mlx.", "mlx_lm")) for n in names):
+                assert setup_line is not None, f"{path.name}:{node.lineno} imports mlx before blas.setup()"
+
+
 @pytest.mark.model
 def test_model_info_reports_blas_and_dtype() -> None:
     r = run_cli(["--model-info"])
@@ -149,6 +179,7 @@ def test_model_info_reports_blas_and_dtype() -> None:
     info = json.loads(r.stdout)
     assert info["dtype"] in ("float32", "quantized")  # float32 unless memory is short
     assert set(info["blas"]) >= {"library", "source", "reason"}
+    assert "imported before" not in info["blas"]["reason"]  # nothing on the CLI's path imports mlx first
     r = run_cli(["--model-info", "--dtype", "quantized"], env=cli_env(MLXPIPE_BLAS="off"))
     assert r.returncode == 0, r.stderr
     off = json.loads(r.stdout)
