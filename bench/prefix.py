@@ -38,7 +38,7 @@ RULES = [
 INSTRUCTIONS = (
     "You are an annotator for a customer-feedback study. For each text below, give exactly one label: "
     "positive, negative, neutral or mixed. Follow these rules, in this order of importance.\n"
-    + "\n".join(f"{n}. {rule}" for n, rule in enumerate(RULES * 3, 1))
+    + "\n".join(f"{n}. {rule}" for n, rule in enumerate(RULES * 2, 1))
     + "\nAnswer with the label only, in lower case, with no explanation.\n\n"
 )
 TEXTS = [
