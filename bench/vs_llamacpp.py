@@ -187,6 +187,13 @@ def main() -> int:
     if base_runs:
         same = sum(a.text.strip() == b.text.strip() for a, b in zip(our_runs, base_runs, strict=True))
         print(f"greedy texts identical in both engines: {same} of {len(base_runs)}")
+        for a, b in zip(our_runs, base_runs, strict=True):
+            if a.text.strip() != b.text.strip():
+                x, y = a.text.strip(), b.text.strip()
+                pairs = enumerate(zip(x, y, strict=False))
+                at = next((i for i, (p, q) in pairs if p != q), min(len(x), len(y)))
+                print(f"  differ at character {at}: mlxpipe {x[at : at + 30]!r}")
+                print(f"  {'':>{len(str(at)) + 21}}llama.cpp {y[at : at + 30]!r}")
     batched = None
     if args.batch:
         how, tps, n, ttft = mlxpipe_batched(engine, records[: args.batch], args.batch)
