@@ -11,8 +11,9 @@ from conftest import MLXPIPE, REPO, cli_env, run_cli
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlxpipe.events import Chunk, Done, Error
-from mlxpipe.pipeline import _InputOrder
+from mlxpipe.events import FINAL_EVENTS, Chunk, Done, Error
+from mlxpipe.io import BadRecord, Record, Settings
+from mlxpipe.pipeline import _InputOrder, run
 
 PARIS = "What is the capital of France?"
 PROMPTS = [PARIS, "Say hello.", "Name three colours.", "What is 2+2?", "Name a fruit."]
@@ -171,3 +172,96 @@ def test_input_order_regroups_any_interleaving(lengths: list[int], rnd) -> None:
         cursors[i] += 1
     assert out == [e for s in streams for e in s]
     assert len(order) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The batched scheduler with a stand-in batch (no model): read-ahead bound and interrupts
+
+
+class _WordBatch:
+    """Answers each record with its prompt's words, one word per step, like a batch of real records."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.slots: dict[int, tuple[Record, list[str]]] = {}
+        self.max_in_flight = 0
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def add(self, record: Record) -> None:
+        self.slots[record.index] = (record, (record.prompt or "").split())
+        self.max_in_flight = max(self.max_in_flight, len(self.slots))
+
+    def step(self) -> list[Chunk | Done]:
+        out: list[Chunk | Done] = []
+        for index, (record, words) in list(self.slots.items()):
+            out.append(Chunk(index, record.id, words.pop(0), 1, 1.0))
+            if not words:
+                out.append(Done(index, record.id, "", "stop", 1, 1.0, 1, 1.0, 1, None))
+                del self.slots[index]
+        return out
+
+    def interrupt(self) -> list[Chunk | Done]:
+        out: list[Chunk | Done] = [
+            Done(i, r.id, "", "interrupted", 0, 0.0, 1, 1.0, 1, None)
+            for i, (r, _) in sorted(self.slots.items())
+        ]
+        self.slots.clear()
+        return out
+
+    def close(self) -> None:
+        self.slots.clear()
+
+
+class _WordEngine:
+    def __init__(self) -> None:
+        self.batches: list[_WordBatch] = []
+
+    def batch(self, size: int) -> _WordBatch:
+        self.batches.append(_WordBatch(size))
+        return self.batches[-1]
+
+
+def test_batched_run_orders_events_and_bounds_read_ahead() -> None:
+    pulled = 0
+
+    def endless():  # an input that never ends: memory must not grow with it
+        nonlocal pulled
+        while True:
+            pulled += 1
+            words = "w " * (1 + (pulled * 7) % 5)
+            if pulled % 4 == 0:
+                yield BadRecord(pulled, "<t>", pulled, pulled, "bad")
+            else:
+                yield Record(pulled, "<t>", pulled, pulled, None, Settings(), prompt=words)
+
+    engine = _WordEngine()
+    out = []
+    for event in run(endless(), engine, batch=3):  # type: ignore[arg-type]
+        out.append(event)
+        if isinstance(event, FINAL_EVENTS) and event.index == 200:
+            break
+    ends = [e.index for e in out if isinstance(e, FINAL_EVENTS)]
+    assert ends == list(range(1, 201))
+    assert [e.kind for e in out if e.index == 8] == ["error"]
+    assert engine.batches[0].max_in_flight == 3
+    assert pulled <= 200 + 3 * 3 + 2  # in flight, held for order, queued (plus one in the reader's hand)
+
+
+def test_batched_run_interrupts_every_record_in_flight() -> None:
+    records = [Record(n, "<t>", n, n, None, Settings(), prompt="w " * 50) for n in range(1, 6)]
+    engine = _WordEngine()
+    steps = 0
+
+    def should_stop() -> bool:
+        nonlocal steps
+        steps += 1
+        return steps > 20
+
+    out = list(run(records, engine, should_stop, batch=4))  # type: ignore[arg-type]
+    dones = [e for e in out if isinstance(e, Done)]
+    assert [d.index for d in dones] == [1, 2, 3, 4]  # the fifth record was never started
+    assert {d.finish_reason for d in dones} == {"interrupted"}
+    indices = [e.index for e in out]
+    assert indices == sorted(indices)
