@@ -20,6 +20,7 @@ import pytest
 from conftest import MLXPIPE, REPO, cli_env, run_cli
 
 from mlxpipe import __version__
+from mlxpipe.term import Console, count_records
 
 RED_ERROR = b"mlxpipe: \x1b[1;31merror\x1b[0m"
 
@@ -102,6 +103,33 @@ def test_error_prefix_is_coloured_only_on_a_terminal(extra_env: dict[str, str], 
         assert b"\x1b[" not in on_terminal
     piped = run_cli(args, env=env)  # the same error into a pipe: never coloured
     assert piped.stderr == b"mlxpipe: error: --template and --template-file cannot be used together\n"
+
+
+def test_progress_total_counts_records_as_the_reader_does(tmp_path: Path) -> None:
+    lines, nul = tmp_path / "a.txt", tmp_path / "b.txt"
+    lines.write_bytes(b"one\n\n  \r\ntwo\nthree")  # blank lines skipped, a last line without newline counted
+    nul.write_bytes(b"x\ny\0\0z\0")
+    assert count_records([str(lines)], null=False, max_bytes=100) == 3
+    assert count_records([str(lines), str(lines)], null=False, max_bytes=100) == 6
+    assert count_records([str(nul)], null=True, max_bytes=100) == 2
+    assert count_records([str(lines), "-"], null=False, max_bytes=100) is None  # stdin: read only once
+    assert count_records([], null=False, max_bytes=100) is None
+
+
+def test_console_colours_only_the_error_word(tmp_path: Path) -> None:
+    with open(tmp_path / "err", "w+") as f:
+        console = Console(f, colour=True)
+        console.say("mlxpipe: error (at x.txt:3): bad")
+        console.say("mlxpipe[rank 1]: error: lost")
+        console.say("mlxpipe: 2 records, 1 failed")
+        Console(f, colour=False).say("mlxpipe: error: plain")
+        f.seek(0)
+        assert f.read().splitlines() == [
+            "mlxpipe: \x1b[1;31merror\x1b[0m (at x.txt:3): bad",
+            "mlxpipe[rank 1]: \x1b[1;31merror\x1b[0m: lost",
+            "mlxpipe: 2 records, 1 failed",
+            "mlxpipe: error: plain",
+        ]
 
 
 # --- the real model ---------------------------------------------------------------------------------
