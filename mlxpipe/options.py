@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from . import __version__
 
@@ -316,9 +317,19 @@ exit status: 0 all records done, 1 some records failed, 2 usage error, 3 model c
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """A usage error: argparse's usage line and message, the error prefix coloured on a terminal."""
+        from .term import Console
+
+        self.print_usage(sys.stderr)
+        Console().say(f"{self.prog}: error: {message}")
+        self.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, built from :data:`OPTIONS`."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mlxpipe",
         add_help=False,
         epilog=EPILOG,

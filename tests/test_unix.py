@@ -132,6 +132,19 @@ def test_console_colours_only_the_error_word(tmp_path: Path) -> None:
         ]
 
 
+def test_unknown_option_is_a_usage_error_coloured_on_a_terminal() -> None:
+    master, slave = open_pty()
+    env = cli_env(TERM="xterm")
+    env.pop("NO_COLOR", None)
+    p = spawn_on_pty(["--no-such-flag"], slave, env)
+    on_terminal = read_until(master, until_eof, timeout=60)
+    p.communicate(timeout=60)
+    os.close(master)
+    assert p.returncode == 2
+    assert on_terminal.startswith(b"usage: mlxpipe ")
+    assert RED_ERROR + b": unrecognized arguments: --no-such-flag" in on_terminal
+
+
 # --- the real model ---------------------------------------------------------------------------------
 
 
