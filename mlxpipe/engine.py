@@ -282,7 +282,9 @@ class Engine:
             label = max(labels, key=lambda x: logprobs[x])  # the first label wins a tie
         else:
             scaled = mx.array([logprobs[x] for x in labels]) / temp
-            drawn: int = mx.random.categorical(scaled).item()  # type: ignore[assignment]
+            seed = record.settings.seed  # its own key, as in sampler_for: neighbours do not change the draw
+            key = mx.random.key(seed) if seed is not None else None
+            drawn: int = mx.random.categorical(scaled, key=key).item()  # type: ignore[assignment]
             label = labels[drawn]
         count = len(self.tokenizer.encode(label, add_special_tokens=False))
         scored = sum(len(self.tokenizer.encode(x, add_special_tokens=False)) for x in labels)
