@@ -22,6 +22,7 @@ from typing import IO, TYPE_CHECKING
 from . import io
 from .events import Chunk, Done, Error, Event
 from .options import build_parser
+from .resume import ResumeFile
 from .term import Console
 
 if TYPE_CHECKING:
@@ -52,6 +53,38 @@ class Interrupts:
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
+        self._watch()
+
+    _watching = False
+
+    @classmethod
+    def _watch(cls) -> None:
+        """Count signals in a thread, so a second one exits even while mlx holds the main thread.
+
+        Python runs signal handlers only between bytecodes: during a long prompt's prefill (one C call,
+        minutes on a CPU) two signals would wait, and merge into one. The C-level handler writes each
+        signal's number to the wakeup fd at once; mlx releases the GIL, so this thread sees it.
+        """
+        if cls._watching or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            r, w = os.pipe()
+            os.set_blocking(w, False)
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (OSError, ValueError, AttributeError):  # a platform without it keeps the handler alone
+            return
+        cls._watching = True
+
+        def watch() -> None:
+            seen = 0
+            while data := os.read(r, 64):
+                for signum in data:
+                    if signum in (signal.SIGINT, signal.SIGTERM):
+                        seen += 1
+                        if seen >= 2:
+                            os._exit(128 + signum)
+
+        threading.Thread(target=watch, name="mlxpipe-signals", daemon=True).start()
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if self.signum is not None:
@@ -138,7 +171,11 @@ class Renderer:
         return _NEWLINES.sub(" ", text) if self.one_line else text
 
     def _emit(self, data: bytes) -> None:
-        self.out.write(data)
+        # Whole lines in one write each (a raw file may take less; then the rest follows at once).
+        view = memoryview(data)
+        while view:
+            written = self.out.write(view)
+            view = view[written if written is not None else len(view) :]
         self.out.flush()
 
 
@@ -262,12 +299,14 @@ def _main(argv: list[str] | None, console: Console) -> int:
             raise io.UsageError("--unordered needs JSONL output (--out jsonl): text lines carry no id")
         template = _template(args)
         constraint = _constraint(args)
+        if args.resume is not None and args.out_format != "jsonl":
+            raise io.UsageError("--resume needs JSONL output (--out jsonl or --jsonl)")
     except io.UsageError as exc:
         _say(f"mlxpipe: error: {exc}")
         return EXIT_USAGE
 
     # Imported late: mlx takes a while to import, and --help need not wait.
-    from .distributed import RankLost, Ranks, RanksDisagree, same_input
+    from .distributed import RankLost, Ranks, RanksDisagree, broadcast, same_input
     from .distributed import run as run_ranks
 
     global _WHO
@@ -283,9 +322,14 @@ def _main(argv: list[str] | None, console: Console) -> int:
             "them): stdin does not reach the ranks"
         )
         return EXIT_USAGE
+    resume: ResumeFile | None = None
     try:
         _check_files(args.files)
         problem = None
+        if args.resume is not None:  # rank 0 reads and writes FILE; under mlx.launch it tells the others
+            resume = ResumeFile.open(args.resume) if ranks.rank == 0 else ResumeFile(args.resume, None)
+            if resume.torn_bytes:
+                _say(f"mlxpipe: {args.resume}: cut off a torn last line ({resume.torn_bytes} bytes)")
     except io.UsageError as exc:
         problem = str(exc)
     if ranks.size > 1:  # each host reads its own copy of the files: they must be the same
@@ -299,6 +343,12 @@ def _main(argv: list[str] | None, console: Console) -> int:
     if problem:
         _say(f"mlxpipe: error: {problem}")
         return EXIT_USAGE
+    if resume is not None and ranks.size > 1:  # every rank must skip the same records: rank 0's
+        try:
+            resume.done = set(json.loads(broadcast(ranks, json.dumps(sorted(resume.done)).encode())))
+        except RankLost as exc:
+            _say(f"mlxpipe: error: lost a rank of the mlx.launch job before the start ({exc})")
+            return EXIT_FAILED
 
     from .engine import Engine  # mlx-lm and transformers: slower still
     from .models import ModelError
@@ -309,7 +359,7 @@ def _main(argv: list[str] | None, console: Console) -> int:
     stats = Stats()
     try:
         try:
-            engine = Engine.load(args.model, dtype=args.dtype)
+            engine = Engine.load(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
         except ModelError as exc:
             _say(f"mlxpipe: error: {exc}")
             return EXIT_MODEL
@@ -317,6 +367,12 @@ def _main(argv: list[str] | None, console: Console) -> int:
             if ranks.rank == 0:
                 sys.stdout.write(json.dumps(engine.info(), ensure_ascii=False) + "\n")
             return EXIT_OK
+        if engine.context_length and args.max_tokens > engine.context_length:
+            _say(
+                f"mlxpipe: error: --max-tokens {args.max_tokens} is more than the model's context of "
+                f"{engine.context_length} tokens"
+            )
+            return EXIT_USAGE
         fmt = io.InputFormat(
             jsonl=args.in_format == "jsonl",
             null=args.null,
@@ -327,10 +383,10 @@ def _main(argv: list[str] | None, console: Console) -> int:
         reader = io.RecordReader(fmt, _settings(args, constraint))
         jsonl_out = args.out_format == "jsonl"
         renderer = Renderer(
-            sys.stdout.buffer,
+            resume.out if resume is not None and resume.out is not None else sys.stdout.buffer,
             jsonl=jsonl_out,
             # Constrained text is printed whole once complete: a cut-short answer never reaches stdout.
-            stream=not args.no_stream and (jsonl_out or constraint is None),
+            stream=not args.no_stream and resume is None and (jsonl_out or constraint is None),
             one_line=args.one_line,
             null=args.null,
         )
@@ -338,7 +394,10 @@ def _main(argv: list[str] | None, console: Console) -> int:
             console.start_progress(args.files, args.null, args.max_line_bytes, args.quiet)
         started = time.perf_counter()
         engine.reuse_prefix = not args.no_prefix_cache
-        records = interrupts.guard(_records(args.files, reader, private_stdin=args.batch > 1))
+        records = _records(args.files, reader, private_stdin=args.batch > 1)
+        if resume is not None:
+            records = (r for r in records if not resume.is_done(r.id))
+        records = interrupts.guard(records)
         if ranks.size > 1:  # under mlx.launch: --batch applies on each rank, to its own share
             events = run_ranks(
                 records,
@@ -358,7 +417,16 @@ def _main(argv: list[str] | None, console: Console) -> int:
                     console.track(event)
                     if isinstance(event, Error):
                         _say(event.message())
+                    if (
+                        resume is not None
+                        and isinstance(event, Done)
+                        and event.finish_reason == "interrupted"
+                    ):
+                        continue  # not done: the next --resume redoes it; FILE keeps one done per record
                     renderer.write(event)
+                if args.fail_fast and isinstance(event, Error):  # every rank sees every event: all stop here
+                    events.close()
+                    break
         except BrokenPipeError:
             # The reader went away (`| head`): stop generating, say nothing, succeed.
             events.close()

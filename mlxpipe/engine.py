@@ -15,6 +15,7 @@ only on the record itself, never on its neighbours, so an answer does not change
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -85,19 +86,34 @@ class Engine:
         self._prefixes: OrderedDict[tuple[int, ...], list[Any]] = OrderedDict()
         self._probed: OrderedDict[Any, tuple[int, ...]] = OrderedDict()
         self._grammars: Grammars | None = None
+        self.vocab_size = len(tokenizer.get_vocab())
+        # We check prompt length against the context ourselves, on the record's error line; the
+        # tokenizer's own warning about it would be a stray line on stderr.
+        tokenizer.model_max_length = sys.maxsize
 
     @classmethod
-    def load(cls, spec: str | None = None, dtype: str = "auto") -> Engine:
+    def load(cls, spec: str | None = None, dtype: str = "auto", *, trust_remote_code: bool = False) -> Engine:
         """Resolve ``spec`` (see :func:`mlxpipe.models.resolve`) and load it, or raise ``ModelError``.
 
-        ``dtype`` is one of :data:`DTYPES`; :func:`choose_dtype` says what ``auto`` picks.
+        ``dtype`` is one of :data:`DTYPES`; :func:`choose_dtype` says what ``auto`` picks. A model or
+        tokenizer that ships its own Python code is refused unless ``trust_remote_code``.
         """
         source = models.resolve(spec)
         folder = models.materialize(source)
         try:
-            loaded = mlx_lm.load(folder)  # typed as a 2- or 3-tuple (return_config); we ask for two
+            # Both explicit: transformers would otherwise ask on the terminal, reading our stdin.
+            loaded = mlx_lm.load(
+                folder,
+                tokenizer_config={"trust_remote_code": trust_remote_code},
+                trust_remote_code=trust_remote_code,
+            )  # typed as a 2- or 3-tuple (return_config); we ask for two
             model, tokenizer = loaded[0], loaded[1]
         except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds; the user needs one line
+            if not trust_remote_code and "trust_remote_code" in str(exc):
+                raise models.ModelError(
+                    f"model {source.spec!r} needs to run its own Python code to load; "
+                    "pass --trust-remote-code if you trust it"
+                ) from None
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise models.ModelError(f"cannot load model {source.spec!r}: {first}") from None
         used, reason = choose_dtype(model, dtype)
@@ -115,7 +131,15 @@ class Engine:
     # -----------------------------------------------------------------------------------------
 
     def encode(self, record: Record) -> list[int]:
-        """The prompt tokens for ``record``: chat template applied unless ``raw`` or the model has none."""
+        """The prompt tokens for ``record``: chat template applied unless ``raw`` or the model has none.
+
+        Raises :class:`RecordError` when the record cannot fit the model's context.
+        """
+        n = record.settings.max_tokens
+        if self.context_length and n > self.context_length:
+            raise RecordError(
+                f"'max_tokens' is {n}, more than the model's context of {self.context_length} tokens"
+            )
         return self._checked(self._tokens(record))
 
     def _tokens(self, record: Record, content: str | None = None) -> list[int]:
@@ -165,9 +189,10 @@ class Engine:
         records sampled before it or beside it in a batch.
         """
         s = record.settings
+        top_k = s.top_k if s.top_k < self.vocab_size else 0  # keeping every token is no top-k at all
         if s.temperature == 0 or s.seed is None:
-            return make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
-        return _SeededSampler(s.seed, s.temperature, s.top_p, s.min_p, s.top_k)
+            return make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=top_k)
+        return _SeededSampler(s.seed, s.temperature, s.top_p, s.min_p, top_k)
 
     def processors_for(self, record: Record) -> list[Processor]:
         """mlx-lm logits processors for ``record``: repetition penalty, then its constraint's token mask."""

@@ -3,24 +3,43 @@
 Readers are lazy generators: a record is yielded as soon as its separator has been read, so the
 first answer can stream before the input ends, and memory does not grow with the input. Bad input
 never raises: it becomes a :class:`BadRecord` that names the file and line.
+
+What is accepted, and what is not (each refused record becomes one error line; the run goes on):
+
+- Records end at ``\n`` (``\0`` with ``-z``); a last record without a separator counts. One ``\r``
+  before the separator is dropped (CRLF files), and so is a UTF-8 byte order mark at the start of each
+  input file. Records whose bytes are all whitespace are skipped but counted for line numbers.
+- Lines mode: the line is the prompt verbatim (surrounding whitespace kept). It must be UTF-8 and hold
+  no NUL byte (use ``-z`` for NUL-separated records).
+- JSONL mode: one JSON value per line, surrounding whitespace ignored. It must be UTF-8 without NUL
+  bytes, a single object or string with nothing after it, standard JSON (no NaN or Infinity, no
+  unpaired ``\ud800``-style surrogate escapes, integers of at most 4300 digits) nested at most
+  :data:`MAX_DEPTH` levels. ``id`` is a string or an integer (default: the record number); the prompt
+  is a non-blank string, or ``messages`` a non-empty list of ``{role, content}`` string objects.
+  Settings are checked by :func:`settings_from_object`; unknown fields are kept for ``--template``
+  and echoed in ``input``, never interpreted or evaluated.
+- A record longer than ``--max-line-bytes`` (default 1 MiB) is an error without being read into memory.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import string
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import IO, TYPE_CHECKING, Any
 
-import jsonlines
-
 if TYPE_CHECKING:
     from .constrain import Constraint
 
 STDIN = "<stdin>"
 DEFAULT_MAX_LINE_BYTES = 1 << 20  # 1 MiB: far above any prompt a small context holds, far below RAM
+MAX_DEPTH = 64  # JSON nesting; deeper records are refused long before Python's recursion limit
+MAX_TOKENS_LIMIT = 1 << 20  # no model's context comes near; the engine also caps at the model's context
+MAX_SEED = (1 << 64) - 1  # mlx's random seed is an unsigned 64-bit integer
+MAX_STOPS = 64
 
 
 class UsageError(Exception):
@@ -169,24 +188,24 @@ def split_records(stream: IO[bytes], sep: bytes, max_bytes: int) -> Iterator[tup
 # ---------------------------------------------------------------------------------------------
 # Records from lines and JSONL
 
-_INT_FIELDS = {"max_tokens": 1, "top_k": 0, "seed": 0}  # name -> smallest value allowed
+_INT_FIELDS = {"max_tokens": (1, MAX_TOKENS_LIMIT), "top_k": (0, MAX_TOKENS_LIMIT), "seed": (0, MAX_SEED)}
 _FLOAT_FIELDS = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0)}
 
 
 def settings_from_object(obj: Mapping[str, Any], base: Settings) -> Settings:
     """Apply a JSONL record's own settings on top of ``base``; raise ``ValueError`` when one is bad."""
     changes: dict[str, Any] = {}
-    for name, low in _INT_FIELDS.items():
+    for name, (low, high) in _INT_FIELDS.items():
         if name in obj:
             value = obj[name]
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name!r} must be an integer >= {low}, got {json.dumps(value)}")
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"{name!r} must be an integer in [{low}, {high}], got {_shown(value)}")
             changes[name] = value
     for name, (lo, hi) in _FLOAT_FIELDS.items():
         if name in obj:
             value = obj[name]
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
-                raise ValueError(f"{name!r} must be a number in [{lo:g}, {hi:g}], got {json.dumps(value)}")
+                raise ValueError(f"{name!r} must be a number in [{lo:g}, {hi:g}], got {_shown(value)}")
             changes[name] = float(value)
     if "system" in obj:
         if not isinstance(obj["system"], str):
@@ -197,12 +216,76 @@ def settings_from_object(obj: Mapping[str, Any], base: Settings) -> Settings:
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError("'stop' must be a non-empty string or a list of them")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"'stop' has {len(stops)} strings, more than {MAX_STOPS}")
         changes["stop"] = tuple(stops)
     if "json_schema" in obj or "choices" in obj:
         from .constrain import from_record  # llguidance is imported only when a record asks for it
 
         changes["constraint"] = from_record(obj)
     return replace(base, **changes) if changes else base
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """A JSON value as shown in an error message: short, on one line."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as infinity, which JSON output cannot carry
+        raise ValueError("a number is out of range")
+    return value
+
+
+def _check_value(obj: Any) -> None:
+    """Refuse what JSON parsing lets through but nothing downstream can use: deep nesting, lone surrogates.
+
+    Iterative, so that checking a deep value cannot itself hit the recursion limit.
+    """
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise ValueError("invalid JSON: a string holds an unpaired surrogate (like \\ud800)")
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
+            items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+            for key, item in items:
+                if key is not None:
+                    stack.append((key, depth))
+                stack.append((item, depth + 1))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def parse_json(raw: bytes) -> Any:
+    """Parse one JSONL record's bytes (see the module docstring); raise ``ValueError`` with a short reason."""
+    try:
+        text = raw.decode("utf-8")  # explicit: json.loads(bytes) would also guess UTF-16 and UTF-32
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"invalid UTF-8 at byte {exc.start}") from None
+    try:
+        obj = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+    except json.JSONDecodeError as exc:
+        what = "text after the JSON value" if exc.msg == "Extra data" else exc.msg[:1].lower() + exc.msg[1:]
+        raise ValueError(f"invalid JSON: {what} at column {exc.colno}") from None
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:  # NaN and friends, 1e999, integers of more than 4300 digits
+        raise ValueError(f"invalid JSON: {str(exc).split(';')[0]}") from None
+    # Most records have no \u escape and few brackets: for them the walk can find nothing.
+    if "\\u" in text or text.count("[") + text.count("{") > MAX_DEPTH:
+        _check_value(obj)
+    return obj
 
 
 def _messages(value: Any) -> tuple[Mapping[str, str], ...]:
@@ -258,14 +341,16 @@ class RecordReader:
     def parse(self, name: str, line: int, raw: bytes) -> Record | BadRecord:
         """Turn one record's bytes (separator stripped) into a record numbered ``self.count``."""
         index = self.count
+        if (nul := raw.find(b"\0")) >= 0:
+            return BadRecord(
+                index, name, line, index, f"NUL byte at byte {nul} (NUL-separated input needs -z)"
+            )
         try:
             if self.fmt.jsonl:
                 return self._from_json(name, line, raw)
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             return BadRecord(index, name, line, index, f"invalid UTF-8 at byte {exc.start}")
-        except ValueError as exc:
-            return BadRecord(index, name, line, index, str(exc))
         lead = ""
         if self.fmt.template is not None:
             try:
@@ -280,47 +365,60 @@ class RecordReader:
     def _from_json(self, name: str, line: int, raw: bytes) -> Record | BadRecord:
         index = self.count
         try:
-            obj = jsonlines.Reader((raw,)).read()
-        except jsonlines.InvalidLineError as exc:
-            # jsonlines appends "(line 1)" since it saw a single line; we name the real line ourselves.
-            return BadRecord(index, name, line, index, str(exc).removesuffix(" (line 1)"))
-        except RecursionError:
-            return BadRecord(index, name, line, index, "JSON nested too deeply")
+            obj = parse_json(raw)
+        except ValueError as exc:
+            return BadRecord(index, name, line, index, str(exc))
         if isinstance(obj, str):
             obj_fields: dict[str, Any] = {self.fmt.prompt_key: obj}
         elif isinstance(obj, dict):
             obj_fields = obj
         else:
             return BadRecord(
-                index,
-                name,
-                line,
-                index,
-                f"a record must be a JSON object or string, not {type(obj).__name__}",
+                index, name, line, index, f"a record must be a JSON object or string, not {_json_type(obj)}"
             )
         rid = obj_fields.get("id", index)
+        if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+            return BadRecord(
+                index, name, line, index, f"'id' must be a string or an integer, not {_shown(rid)}"
+            )
         try:
             settings = settings_from_object(obj_fields, self.settings)
             if self.fmt.template is not None:
                 try:
                     rendered = self.fmt.template.render(obj_fields)
-                    return Record(
-                        index, name, line, rid, obj, settings, prompt=rendered, lead=self.fmt.template.lead
-                    )
                 except KeyError as exc:
                     raise ValueError(f"record has no field {exc} for the template") from None
+                if not rendered.strip():
+                    raise ValueError("the template gave an empty prompt")
+                lead = self.fmt.template.lead
+                return Record(index, name, line, rid, obj, settings, prompt=rendered, lead=lead)
             if "messages" in obj_fields and self.fmt.prompt_key not in obj_fields:
                 return Record(
                     index, name, line, rid, obj, settings, messages=_messages(obj_fields["messages"])
                 )
-            prompt = obj_fields.get(self.fmt.prompt_key)
+            prompt: Any = obj_fields.get(self.fmt.prompt_key)
             if prompt is None:
                 raise ValueError(f"record has no {self.fmt.prompt_key!r} (string) or 'messages' (list)")
             if not isinstance(prompt, str):
-                raise ValueError(f"{self.fmt.prompt_key!r} must be a string, not {type(prompt).__name__}")
+                raise ValueError(f"{self.fmt.prompt_key!r} must be a string, not {_json_type(prompt)}")
+            if not prompt.strip():
+                raise ValueError(f"empty prompt: {self.fmt.prompt_key!r} is blank")
             return Record(index, name, line, rid, obj, settings, prompt=prompt)
         except ValueError as exc:
             return BadRecord(index, name, line, rid, str(exc))
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, dict):
+        return "an object"
+    return "an array" if isinstance(value, list) else "a string"
 
 
 def records_from_objects(

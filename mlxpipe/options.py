@@ -75,6 +75,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def seed_int(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 1 << 64:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2**64-1, got {value}")
+    return value
+
+
 def probability(text: str) -> float:
     value = float(text)
     if not 0 <= value <= 1:
@@ -188,7 +195,7 @@ OPTIONS: tuple[Option, ...] = (
         "generation",
         "Random seed, applied to each record, so an answer does not depend on its position in the input.",
         metavar="N",
-        type=non_negative_int,
+        type=seed_int,
     ),
     Option(("-s", "--system"), "generation", "System prompt for the chat template.", metavar="TEXT"),
     Option(
@@ -274,6 +281,20 @@ OPTIONS: tuple[Option, ...] = (
         "With --batch and JSONL output: write events as they come instead of in input order.",
         action="store_true",
     ),
+    Option(
+        ("--resume",),
+        "output",
+        "Carry on a job from FILE, its JSONL output so far: records with a done line there are "
+        "skipped, new done and error lines are appended to FILE (not stdout). Needs --out jsonl; "
+        "implies --no-stream.",
+        metavar="FILE",
+    ),
+    Option(
+        ("--fail-fast",),
+        "output",
+        "Stop at the first record that fails (exit status 1), after its error line.",
+        action="store_true",
+    ),
     Option(("--stats",), "output", "Print a summary line on stderr at the end.", action="store_true"),
     Option(("-q", "--quiet"), "output", "No progress display on a terminal.", action="store_true"),
     # Model
@@ -295,6 +316,13 @@ OPTIONS: tuple[Option, ...] = (
         metavar="TYPE",
         choices=("auto", "float32", "float16", "bfloat16", "quantized"),
         default="auto",
+    ),
+    Option(
+        ("--trust-remote-code",),
+        "model",
+        "Allow a model whose folder or repo ships its own Python code (for its architecture or "
+        "tokenizer) to run that code. Off by default: such models are refused.",
+        action="store_true",
     ),
     Option(
         ("--model-info",), "model", "Print a JSON description of the model and exit.", action="store_true"

@@ -41,10 +41,11 @@ def run(
 ) -> Generator[Event, None, None]:
     """Answer ``records``, yielding chunk events and exactly one done or error event per record.
 
-    A bad record becomes an :class:`Error` and the run goes on. ``should_stop`` is polled between
-    tokens and between records: once true, the records in flight end as "interrupted" and no
-    further record is read. ``batch`` > 1 generates up to that many records at once; events stay in
-    input order unless ``ordered`` is false (then they come as produced; each carries its id).
+    A bad record, or any exception while answering one, becomes an :class:`Error` and the run goes
+    on. ``should_stop`` is polled between tokens and between records: once true, the records in
+    flight end as "interrupted" and no further record is read. ``batch`` > 1 generates up to that
+    many records at once; events stay in input order unless ``ordered`` is false (then they come as
+    produced; each carries its id).
     """
     if batch > 1:
         yield from _run_batched(records, engine, should_stop, batch, ordered)
@@ -61,6 +62,13 @@ def run(
             yield from engine.generate(record, should_stop)
         except RecordError as exc:
             yield Error(record.index, record.id, record.file, record.line, str(exc))
+        except Exception as exc:  # one record the model chokes on must not end a long batch job
+            yield Error(record.index, record.id, record.file, record.line, _failure(exc))
+
+
+def _failure(exc: Exception) -> str:
+    """An unexpected exception as a one-line error message."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 def _run_batched(
@@ -101,6 +109,8 @@ def _run_batched(
                     session.add(item)
                 except RecordError as exc:
                     yield from emit([Error(item.index, item.id, item.file, item.line, str(exc))])
+                except Exception as exc:  # as in sequential mode: one bad record does not end the job
+                    yield from emit([Error(item.index, item.id, item.file, item.line, _failure(exc))])
             if should_stop():
                 yield from emit(session.interrupt())
                 return

@@ -57,7 +57,7 @@ def test_prompt_key() -> None:
     ("line", "needle"),
     [
         (b'{"prompt": ', "invalid json"),
-        (b"[1, 2]", "not list"),
+        (b"[1, 2]", "not an array"),
         (b'{"prompt": 3}', "must be a string"),
         (b'{"prompt": "p", "max_tokens": 0}', "max_tokens"),
         (b'{"prompt": "p", "temperature": "hot"}', "temperature"),
@@ -71,7 +71,7 @@ def test_bad_jsonl_records_become_errors_naming_the_line(line: bytes, needle: st
     assert [type(r).__name__ for r in recs] == ["Record", "BadRecord", "Record"]
     bad = recs[1]
     assert isinstance(bad, BadRecord) and bad.line == 2 and bad.file == "in.txt"
-    assert needle in bad.error
+    assert needle in bad.error.lower()
 
 
 def test_template_fills_fields_and_keeps_double_braces_literal() -> None:

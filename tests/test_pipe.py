@@ -73,7 +73,7 @@ def test_no_stream_length_stop_string_and_malformed_line() -> None:
     assert [e["id"] for e in out] == ["long", 2, "cut", 4]
     assert [e["event"] for e in out] == ["done", "error", "done", "done"]
     assert out[0]["finish_reason"] == "length" and out[0]["tokens"] == 5
-    assert out[1]["file"] == "<stdin>" and out[1]["line"] == 2 and "invalid json" in out[1]["error"]
+    assert out[1]["file"] == "<stdin>" and out[1]["line"] == 2 and "invalid json" in out[1]["error"].lower()
     assert out[2]["finish_reason"] == "stop" and out[2]["text"] == "The capital of France is"
     assert "Paris" in out[3]["text"] and out[3]["input"] == "What is the capital of France?"
     err = r.stderr.decode().strip().splitlines()

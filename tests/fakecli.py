@@ -1,0 +1,84 @@
+"""The real command line with conftest's FakeEngine in place of the model, for fast subprocess tests.
+
+    python tests/fakecli.py ARGS...        (PYTHONPATH = the checkout)
+
+Everything but the engine is the real thing: argument parsing, readers, pipeline, renderer, signals,
+exit codes. ``FAKE_DELAY`` (seconds, default 0) is slept before each record's answer, so that a test
+can kill the process in the middle of a run. With ``FAKE_SINK=1`` stdout goes to a sink that only
+counts lines (said on stderr at exit): a million-record run then measures mlxpipe, not write(2).
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from conftest import FakeEngine
+
+from mlxpipe.io import Record
+
+DELAY = float(os.environ.get("FAKE_DELAY", "0"))
+
+
+class RecordError(ValueError):
+    """Stands in for mlxpipe.engine.RecordError."""
+
+
+class Engine(FakeEngine):
+    """FakeEngine with the real Engine's class interface; keeps no history, so memory stays flat."""
+
+    context_length = 8192
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history = collections.deque(maxlen=1)  # type: ignore[assignment]
+
+    @classmethod
+    def load(cls, spec: str | None = None, *, trust_remote_code: bool = False) -> Engine:
+        return cls()
+
+    def info(self) -> dict[str, Any]:
+        return {"spec": "fake"}
+
+    def generate(self, record: Record, should_stop: Callable[[], bool] = lambda: False) -> Iterator[Any]:
+        if DELAY:
+            time.sleep(DELAY)
+        return super().generate(record, should_stop)
+
+
+fake = types.ModuleType("mlxpipe.engine")
+fake.Engine = Engine  # type: ignore[attr-defined]
+fake.RecordError = RecordError  # type: ignore[attr-defined]
+sys.modules["mlxpipe.engine"] = fake
+
+from mlxpipe.cli import main  # noqa: E402
+
+
+class Sink(io.RawIOBase):
+    """A stdout that keeps nothing and counts newlines."""
+
+    lines = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        Sink.lines += bytes(data).count(b"\n")
+        return len(data)
+
+
+if __name__ == "__main__":
+    if os.environ.get("FAKE_SINK"):
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(Sink()))
+        status = main()
+        print(f"fakecli: {Sink.lines} lines", file=sys.stderr)
+        sys.exit(status)
+    sys.exit(main())
