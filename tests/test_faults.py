@@ -129,9 +129,14 @@ JSONL_CASES: list[tuple[bytes, str]] = [
 ]
 
 
-def test_jsonl_fault_battery_one_line_per_record() -> None:
+BATCH = [pytest.param([], id="sequential"), pytest.param(["--batch", "4"], id="batch")]
+
+
+@pytest.mark.parametrize("mode", BATCH)
+def test_jsonl_fault_battery_one_line_per_record(mode: list[str]) -> None:
     data = battery(JSONL_CASES, end=b"\n\n  \n")
-    r = run_cli(["--jsonl", "--no-stream", "--raw", "-n", "2", "--max-line-bytes", "250000"], input=data)
+    args = ["--jsonl", "--no-stream", "--raw", "-n", "2", "--max-line-bytes", "250000", *mode]
+    r = run_cli(args, input=data)
     check_battery(r, JSONL_CASES, "<stdin>")
     out = finals(r.stdout)
     assert [e["id"] for e in out[:3]] == ["bom", "ws", 3]  # ids: the record's own, else its number
@@ -159,9 +164,11 @@ def test_lines_fault_battery_from_a_file(tmp_path: Path) -> None:
     assert finals(r.stdout)[4]["input"] == "  {not json, just a prompt}  "  # kept verbatim
 
 
-def test_fail_fast_stops_at_the_first_failed_record() -> None:
+@pytest.mark.parametrize("mode", BATCH)
+def test_fail_fast_stops_at_the_first_failed_record(mode: list[str]) -> None:
     lines = [b'{"id": "a", "prompt": "Hi"}', b'{"id": "b", "prompt": 3}', b'{"id": "c", "prompt": "Hi"}']
-    r = run_cli(["--jsonl", "--no-stream", "--raw", "-n", "1", "--fail-fast"], input=b"\n".join(lines))
+    args = ["--jsonl", "--no-stream", "--raw", "-n", "1", "--fail-fast", *mode]
+    r = run_cli(args, input=b"\n".join(lines))
     assert r.returncode == 1
     assert [(e["id"], e["event"]) for e in finals(r.stdout)] == [("a", "done"), ("b", "error")]
     assert r.stderr.decode() == "mlxpipe: error (at <stdin>:2): 'prompt' must be a string, not a number\n"
@@ -214,9 +221,10 @@ def _resume_input(tmp_path: Path) -> Path:
     return f
 
 
-def test_sigkill_mid_run_then_resume_completes_every_record_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", BATCH)
+def test_sigkill_mid_run_then_resume_completes_every_record_once(tmp_path: Path, mode: list[str]) -> None:
     inp, out = _resume_input(tmp_path), tmp_path / "out.jsonl"
-    args = [*MLXPIPE, "--jsonl", "--raw", "-n", "6", "--resume", str(out), str(inp)]
+    args = [*MLXPIPE, "--jsonl", "--raw", "-n", "6", "--resume", str(out), str(inp), *mode]
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(), cwd=REPO)
     try:
         deadline = time.monotonic() + 240
