@@ -38,6 +38,12 @@ probable label (at temperature T > 0, one drawn from those log probabilities div
 answer always agrees with its probabilities; ``tokens`` is the chosen label's token count. An answer that
 max tokens, a stop string or an interrupt cut short is an ``error`` ("answer incomplete: max tokens
 reached", …), never a ``done``.
+
+Every record of the input gets exactly one ``done`` or ``error`` line, in input order (``--unordered``
+keeps the one line, not the order). ``id`` is a string or an integer, and ``file`` and ``line`` name
+where an error's record came from (see :mod:`mlxpipe.io` for what input is refused). Each line is written
+with one write and flushed. With ``--resume FILE`` the ``done`` and ``error`` lines are appended to FILE
+instead of stdout, except ``done`` lines of interrupted records (see :mod:`mlxpipe.resume`).
 """
 
 from __future__ import annotations
