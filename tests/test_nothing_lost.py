@@ -30,7 +30,19 @@ FAKECLI = [sys.executable, str(REPO / "tests" / "fakecli.py")]
 # ---------------------------------------------------------------------------------------------
 # Property: whatever the bytes, every record gets exactly one final line, and nothing raises.
 
-FIELDS = ["prompt", "id", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop"]
+FIELDS = [
+    "prompt",
+    "id",
+    "messages",
+    "system",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+]
+FIELDS += ["stop", "json_schema", "choices"]
 scalars = (
     st.none()
     | st.booleans()
