@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
+import sys
 import time
 from io import BytesIO
 from pathlib import Path
@@ -300,3 +302,31 @@ def test_custom_code_models_load_only_with_trust_remote_code(tmp_path: Path) -> 
     r = run_cli(["-m", str(model), "--trust-remote-code"], input="Hi\n")
     assert marker.exists()  # the option passed the trust through to mlx-lm, which ran the module
     assert r.returncode == 3 and b"has no attribute 'Model'" in r.stderr and b"Traceback" not in r.stderr
+
+
+def test_resume_under_mlx_launch_skips_the_same_records_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 reads FILE and tells the other rank what is done; only rank 0 writes."""
+    launch = Path(sys.executable).with_name("mlx.launch")
+    if not launch.exists():
+        pytest.skip("mlx.launch is not installed next to this python")
+    ids = [f"d{n}" for n in range(6)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": "Say hi."}) + "\n" for i in ids))
+    earlier = [{"event": "done", "id": i, "text": "Hi", "finish_reason": "stop"} for i in ("d1", "d4")]
+    out.write_text("".join(json.dumps(e) + "\n" for e in earlier) + '{"event":"done","id":"d')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(launch), "-n", "2", "--backend", "ring", "-p", str(port), "--python", sys.executable, "--"]
+    r = subprocess.run(
+        [*cmd, "-m", "mlxpipe", "--jsonl", "--raw", "-n", "2", "--resume", str(out), str(inp)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        env=cli_env(),
+        cwd=REPO,
+        timeout=300,
+    )
+    assert r.stdout == b""
+    assert r.stderr.decode().count(f"mlxpipe: {out}: cut off a torn last line") == 1  # rank 0 alone
+    assert "exited with code" not in r.stderr.decode()  # every rank exited 0
+    assert [e["id"] for e in finals(out.read_bytes())] == ["d1", "d4", "d0", "d2", "d3", "d5"]
