@@ -42,8 +42,8 @@ class Engine(FakeEngine):
         self.history = collections.deque(maxlen=1)  # type: ignore[assignment]
 
     @classmethod
-    def load(cls, spec: str | None = None, *, trust_remote_code: bool = False) -> Engine:
-        return cls()
+    def load(cls, spec: str | None = None, *args: Any, **kwargs: Any) -> Engine:
+        return cls()  # whatever the real Engine.load is given (dtype, trust_remote_code, …)
 
     def info(self) -> dict[str, Any]:
         return {"spec": "fake"}
