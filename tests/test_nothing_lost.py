@@ -273,3 +273,32 @@ def test_resume_redoes_failed_and_interrupted_records(tmp_path: Path) -> None:
     assert r.returncode == 0 and r.stdout == b"" and r.stderr == b""
     new = [json.loads(x) for x in out.read_text().splitlines()[len(earlier) :]]
     assert [(e["event"], e["id"]) for e in new] == [("done", 2), ("done", 3), ("done", 4)]
+
+
+def test_sigterm_mid_run_exits_143_and_resume_finishes(tmp_path: Path) -> None:
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    ids = list(range(1, 201))
+    inp.write_text("".join(json.dumps({"id": i, "prompt": f"p {i}"}) + "\n" for i in ids))
+    args = [*FAKECLI, "--jsonl", "--resume", str(out), str(inp)]
+    p = subprocess.Popen(args, stderr=subprocess.PIPE, env=cli_env(FAKE_DELAY="0.01"), cwd=REPO)
+    while not out.exists() or out.read_bytes().count(b"\n") < 5:
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 143 and err == b""
+    assert 5 <= len(_ids(out)) < len(ids)
+    r = subprocess.run(args, capture_output=True, env=cli_env(), cwd=REPO, timeout=120)
+    assert r.returncode == 0 and r.stderr == b""
+    assert _ids(out) == ids
+
+
+def test_a_reader_that_goes_away_ends_a_jsonl_run_quietly(tmp_path: Path) -> None:
+    script = (
+        'yes \'{"prompt": "hi"}\' | head -n 100000 | '
+        f'{" ".join(FAKECLI)} --jsonl 2>{tmp_path / "err"} | head -n 3; echo " ${{PIPESTATUS[2]}}"'
+    )
+    r = subprocess.run(["bash", "-c", script], capture_output=True, env=cli_env(), cwd=REPO, timeout=120)
+    lines = r.stdout.decode().split("\n")
+    assert [json.loads(x)["event"] for x in lines[:3]] == ["chunk", "chunk", "done"]
+    assert lines[3] == " 0"  # mlxpipe's own exit status
+    assert (tmp_path / "err").read_bytes() == b""
