@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from dataclasses import replace
@@ -106,7 +107,11 @@ def main() -> None:
     plain_tps = totals["plain"][0] / totals["plain"][1]
     schema_tps = totals["schema"][0] / totals["schema"][1]
     overhead = plain_tps / schema_tps - 1
-    print(f"machine: {platform.machine()} {platform.system()}, mlx device {engine.info()['device']}")
+    info = engine.info()
+    print(
+        f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, mlx {info['device']}, "
+        f"model dtype {info.get('dtype', '?')}"
+    )
     print(f"records: {args.records}, max tokens {args.max_tokens}, schema answers complete: {complete}")
     print(f"unconstrained: {totals['plain'][0]} tokens, {plain_tps:.2f} tok/s")
     print(f"json schema:   {totals['schema'][0]} tokens, {schema_tps:.2f} tok/s")
