@@ -8,7 +8,7 @@ What is accepted, and what is not (each refused record becomes one error line; t
 
 - Records end at ``\n`` (``\0`` with ``-z``); a last record without a separator counts. One ``\r``
   before the separator is dropped (CRLF files), and so is a UTF-8 byte order mark at the start of each
-  input file. Records whose bytes are all whitespace are skipped but counted for line numbers.
+  input file (in JSONL mode, as jsonlines reads it, at the start of any line). Records whose bytes are all whitespace are skipped but counted for line numbers.
 - Lines mode: the line is the prompt verbatim (surrounding whitespace kept). It must be UTF-8 and hold
   no NUL byte (use ``-z`` for NUL-separated records).
 - JSONL mode: one JSON value per line, surrounding whitespace ignored. It must be UTF-8 without NUL
@@ -23,6 +23,7 @@ What is accepted, and what is not (each refused record becomes one error line; t
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -30,6 +31,8 @@ import string
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import IO, TYPE_CHECKING, Any
+
+import jsonlines
 
 if TYPE_CHECKING:
     from .constrain import Constraint
@@ -265,25 +268,40 @@ def _check_value(obj: Any) -> None:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_loads = functools.partial(json.loads, parse_constant=_refuse_constant, parse_float=_finite)
+
+
+def _reason(exc: jsonlines.InvalidLineError) -> str:
+    """jsonlines' error, reworded for one line that names no internals."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return f"invalid UTF-8 at byte {cause.start}"
+    if isinstance(cause, json.JSONDecodeError):
+        msg = (
+            "text after the JSON value"
+            if cause.msg == "Extra data"
+            else cause.msg[:1].lower() + cause.msg[1:]
+        )
+        return f"invalid JSON: {msg} at column {cause.colno}"
+    if cause is not None:  # NaN and friends, 1e999, integers of more than 4300 digits
+        return f"invalid JSON: {str(cause).split(';')[0]}"
+    return "a record must be a JSON object or string, not null"
 
 
 def parse_json(raw: bytes) -> Any:
-    """Parse one JSONL record's bytes (see the module docstring); raise ``ValueError`` with a short reason."""
+    """Parse one JSONL record's bytes (see the module docstring); raise ``ValueError`` with a short reason.
+
+    jsonlines does the reading (UTF-8 decoding, a BOM or RS at the line's start, the null check); our
+    ``loads`` refuses NaN, infinities and out-of-range numbers, which JSON output could not carry.
+    """
     try:
-        text = raw.decode("utf-8")  # explicit: json.loads(bytes) would also guess UTF-16 and UTF-32
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"invalid UTF-8 at byte {exc.start}") from None
-    try:
-        obj = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
-    except json.JSONDecodeError as exc:
-        what = "text after the JSON value" if exc.msg == "Extra data" else exc.msg[:1].lower() + exc.msg[1:]
-        raise ValueError(f"invalid JSON: {what} at column {exc.colno}") from None
+        obj = jsonlines.Reader((raw,), loads=_loads).read()
+    except jsonlines.InvalidLineError as exc:
+        raise ValueError(_reason(exc)) from None
     except RecursionError:
         raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels") from None
-    except ValueError as exc:  # NaN and friends, 1e999, integers of more than 4300 digits
-        raise ValueError(f"invalid JSON: {str(exc).split(';')[0]}") from None
     # Most records have no \u escape and few brackets: for them the walk can find nothing.
-    if "\\u" in text or text.count("[") + text.count("{") > MAX_DEPTH:
+    if b"\\u" in raw or raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
         _check_value(obj)
     return obj
 
