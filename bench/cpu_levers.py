@@ -36,6 +36,9 @@ PROMPT = "Write a long story about a dragon who learns to paint."
 
 def measure(dtype: str, batch: int, steps: int, stream: bool) -> dict[str, float]:
     """In this process: load the embedded model in ``dtype`` and time decode steps of ``batch`` tokens."""
+    from mlxpipe import blas
+
+    blas.setup()  # before mlx is imported, as mlxpipe.engine does: mlx binds its BLAS on import
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
@@ -43,6 +46,8 @@ def measure(dtype: str, batch: int, steps: int, stream: bool) -> dict[str, float
     from mlxpipe.engine import Engine
 
     engine = Engine.load(None, dtype=dtype)
+    used = engine.info()["blas"]
+    assert used["library"] or os.environ.get("MLXPIPE_BLAS") == "off", used  # measure what the row says
     model = engine.model
     tokens = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True

@@ -673,9 +673,8 @@ def choose_dtype(model: Any, requested: str) -> tuple[str, str]:
     """The dtype to compute in for ``requested`` (one of :data:`DTYPES`), and why.
 
     ``auto``: on a GPU keep quantized weights (the fast single-stream path there); on a CPU use float32
-    (mlx's quantized CPU kernels are slow and do not batch; float32 with a fast BLAS was 2.6x faster single
-    and 13x at batch 16) when an optimized BLAS is in use and the float32 weights fit in half the
-    available memory.
+    (mlx's quantized CPU kernels are slow and do not batch: float32 was faster even with the reference BLAS,
+    and far faster with OpenBLAS; bench/RESULTS.md) when the float32 weights fit in half the free memory.
     """
     if requested not in DTYPES:
         raise models.ModelError(f"unknown dtype {requested!r} (choose from {', '.join(DTYPES)})")
@@ -684,13 +683,12 @@ def choose_dtype(model: Any, requested: str) -> tuple[str, str]:
     accelerator = _accelerator()
     if accelerator is not None:
         return "quantized", f"auto on {accelerator}: quantized weights"
-    if blas.setup().reference:
-        return "quantized", "auto on cpu: no optimized BLAS, so float32 matmuls would be slow"
     need = _parameter_count(model) * 4
     free = _available_memory()
     if free is not None and need > free // 2:
         return "quantized", f"auto on cpu: float32 weights ({need / 1e9:.1f} GB) exceed half the free memory"
-    return "float32", "auto on cpu: float32 weights and an optimized BLAS (faster than quantized kernels)"
+    with_blas = "the reference BLAS" if blas.setup().reference else "an optimized BLAS"
+    return "float32", f"auto on cpu: float32 weights with {with_blas} (faster than quantized kernels)"
 
 
 def apply_dtype(model: Any, dtype: str) -> Any:

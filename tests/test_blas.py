@@ -89,7 +89,7 @@ def test_absent_loads_nothing_and_names_the_package(machine: dict[str, Any]) -> 
     choice = blas.choose()
     assert machine["loaded"] == [] and choice.library is None
     assert choice.source == "mlx" and "cmeel-openblas" in choice.reason
-    assert choice.reference  # so --dtype auto knows float32 matmuls would be slow
+    assert choice.reference  # --model-info says mlx computes with its reference BLAS
 
 
 def test_every_candidate_broken_loads_nothing(machine: dict[str, Any]) -> None:
@@ -183,5 +183,5 @@ def test_model_info_reports_blas_and_dtype() -> None:
     r = run_cli(["--model-info", "--dtype", "quantized"], env=cli_env(MLXPIPE_BLAS="off"))
     assert r.returncode == 0, r.stderr
     off = json.loads(r.stdout)
-    assert off["dtype"] == "quantized" and off["blas"]["library"] is None
+    assert off["dtype"] == "quantized" and off["blas"]["library"] is None and off["blas"]["reference_blas"]
     assert "MLXPIPE_BLAS" in off["blas"]["reason"]
