@@ -88,6 +88,7 @@ def main() -> int:
     parser.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--stream", action="store_true", help="also time mlx_lm.stream_generate (B=1)")
+    parser.add_argument("--configs", help="comma-separated row numbers to run (1 = baseline; default all)")
     parser.add_argument("--only", help="internal: measure one configuration in this process", nargs=2)
     args = parser.parse_args()
     if args.only:
@@ -101,7 +102,10 @@ def main() -> int:
         head = f"{'step min':>10}{'median':>10}{'tok/s best':>12}{'x base':>8}{'prefill':>10}"
         print(f"{'configuration':<36}{head}")
         base = None
-        for name, (dtype, env) in CONFIGS.items():
+        rows = [int(n) for n in args.configs.split(",")] if args.configs else range(1, len(CONFIGS) + 1)
+        for number, (name, (dtype, env)) in enumerate(CONFIGS.items(), 1):
+            if number not in rows:
+                continue
             cmd = [sys.executable, __file__, "--only", dtype, str(batch), "--steps", str(args.steps)]
             cmd += ["--stream"] if args.stream else []
             r = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, check=False)
