@@ -8,7 +8,8 @@ What is accepted, and what is not (each refused record becomes one error line; t
 
 - Records end at ``\n`` (``\0`` with ``-z``); a last record without a separator counts. One ``\r``
   before the separator is dropped (CRLF files), and so is a UTF-8 byte order mark at the start of each
-  input file (in JSONL mode, as jsonlines reads it, at the start of any line). Records whose bytes are all whitespace are skipped but counted for line numbers.
+  input file (in JSONL mode, as jsonlines reads it, at the start of any line). Records whose bytes are
+  all whitespace are skipped but counted for line numbers.
 - Lines mode: the line is the prompt verbatim (surrounding whitespace kept). It must be UTF-8 and hold
   no NUL byte (use ``-z`` for NUL-separated records).
 - JSONL mode: one JSON value per line, surrounding whitespace ignored. It must be UTF-8 without NUL
