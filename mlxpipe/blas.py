@@ -13,6 +13,8 @@ Decision, in order:
 - mlx's own BLAS is not the reference one: load nothing. Detected without importing mlx: the Linux wheels are
   repaired by auditwheel, which vendors the netlib ``libblas`` as ``mlx*.libs/libblas-<hash>.so*`` next to
   the ``mlx`` package; a build of mlx against an optimized BLAS has no such file.
+- mlx's CUDA backend is installed (``mlx-cuda-13``/``-12``, the ``cuda13``/``cuda12`` extras): load nothing;
+  its wheel bundles the reference BLAS as well, but the matrix products run on the GPU.
 - Otherwise the first of these that loads: ``cmeel-openblas``'s ``libopenblas.so.0`` (the ``cpu`` extra
   installs it; it needs the system's gfortran runtime, ``libgfortran.so.5``), then a system ``libopenblas``.
 """
@@ -93,6 +95,9 @@ def choose() -> BlasChoice:
         return _load_first([(ENV, setting)], f"{ENV}={setting} could not be loaded", reference)
     if reference is None:
         return BlasChoice(None, "mlx", "mlx does not bundle the reference BLAS: its own BLAS is used")
+    cuda = _cuda_backend()
+    if cuda is not None:  # its wheel bundles the reference BLAS too, but the matrix products run on the GPU
+        return BlasChoice(None, "mlx", f"{cuda}: matrix products run on the GPU", reference=True)
     return _load_first(
         _candidates(), "no optimized BLAS could be loaded (pip install cmeel-openblas)", reference
     )
@@ -144,6 +149,17 @@ def _vendored_reference_blas(package_dirs: list[str]) -> str | None:
         libs = sorted(glob.glob(os.path.join(os.path.dirname(location), "mlx*.libs", "libblas*.so*")))
         if libs:
             return libs[0]
+    return None
+
+
+def _cuda_backend() -> str | None:
+    """The installed mlx CUDA backend's distribution name (mlx-cuda-13, mlx-cuda-12), if any."""
+    for name in ("mlx-cuda-13", "mlx-cuda-12"):
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return name
     return None
 
 

@@ -657,6 +657,22 @@ def _available_memory() -> int | None:
         return None
 
 
+def _gpu_memory() -> int | None:
+    """Bytes of GPU memory free for the model (CUDA's free memory, Metal's working set); None if unknown."""
+    device_info = getattr(mx, "device_info", None)  # mlx.core.device_info exists only in newer mlx builds
+    if device_info is None:
+        return None
+    try:
+        info = device_info()
+    except (RuntimeError, ValueError):
+        return None
+    for key in ("free_memory", "max_recommended_working_set_size", "memory_size", "total_memory"):
+        value = info.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _parameter_count(model: Any) -> int:
     """Logical weights in ``model``; a quantized layer counts the values it packs, not its uint32 words."""
     total = 0
@@ -672,15 +688,28 @@ def _parameter_count(model: Any) -> int:
 def choose_dtype(model: Any, requested: str) -> tuple[str, str]:
     """The dtype to compute in for ``requested`` (one of :data:`DTYPES`), and why.
 
-    ``auto``: on a GPU keep quantized weights (the fast single-stream path there); on a CPU use float32
-    (mlx's quantized CPU kernels are slow and do not batch: float32 was faster even with the reference BLAS,
-    and far faster with OpenBLAS; bench/RESULTS.md) when the float32 weights fit in half the free memory.
+    ``auto``: on CUDA, bfloat16 when the bfloat16 weights fit in half the free GPU memory; on Metal keep
+    quantized weights (the fast single-stream path there); on a CPU use float32 (mlx's quantized CPU kernels
+    are slow and do not batch: float32 was faster even with the reference BLAS, and far faster with OpenBLAS;
+    bench/RESULTS.md) when the float32 weights fit in half the free memory.
     """
     if requested not in DTYPES:
         raise models.ModelError(f"unknown dtype {requested!r} (choose from {', '.join(DTYPES)})")
     if requested != "auto":
         return requested, "asked for with --dtype"
     accelerator = _accelerator()
+    if accelerator == "cuda":
+        need = _parameter_count(model) * 2
+        free = _gpu_memory()
+        if free is not None and need > free // 2:
+            return (
+                "quantized",
+                f"auto on cuda: bfloat16 weights ({need / 1e9:.1f} GB) exceed half the free GPU memory",
+            )
+        return (
+            "bfloat16",
+            "auto on cuda: bfloat16 weights (faster than quantized kernels there, and they batch)",
+        )
     if accelerator is not None:
         return "quantized", f"auto on {accelerator}: quantized weights"
     need = _parameter_count(model) * 4
@@ -692,8 +721,16 @@ def choose_dtype(model: Any, requested: str) -> tuple[str, str]:
 
 
 def apply_dtype(model: Any, dtype: str) -> Any:
-    """Turn ``model`` into ``dtype`` in place: dequantize with mlx-lm's helper, then cast floating weights."""
+    """Turn ``model`` into ``dtype`` in place: dequantize with mlx-lm's helper, then cast floating weights.
+
+    ``quantized`` keeps the quantized layers; on a GPU a model with float32 parameters (a GGUF's norms, say)
+    has its floating parameters cast to bfloat16 too, so that activations are not computed in float32.
+    """
     if dtype == "quantized":
+        leaves: Any = tree_flatten(model.parameters())
+        if _accelerator() is not None and any(v.dtype == mx.float32 for _, v in leaves):
+            model.set_dtype(mx.bfloat16)
+            mx.eval(model.parameters())
         return model
     if _is_quantized(model):
         model = dequantize_model(model)

@@ -41,6 +41,7 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         "imported": False,
         "reference": REFERENCE,
         "candidates": [CMEEL, SYSTEM],
+        "cuda": None,  # the mlx CUDA backend's distribution, when installed
         "broken": set(),  # paths whose loading fails
         "loaded": [],  # paths loaded, in order
     }
@@ -58,6 +59,7 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(blas, "_mlx_imported", lambda: state["imported"])
     monkeypatch.setattr(blas, "_reference_blas", lambda: state["reference"])
     monkeypatch.setattr(blas, "_candidates", lambda: list(state["candidates"]))
+    monkeypatch.setattr(blas, "_cuda_backend", lambda: state["cuda"])
     monkeypatch.setattr(blas, "_load", load)
     return state
 
@@ -68,6 +70,15 @@ def test_loads_cmeel_openblas_first_when_mlx_has_the_reference_blas(machine: dic
     assert (choice.library, choice.source, choice.reference) == (CMEEL[1], "cmeel-openblas", False)
     assert choice.config == f"OpenBLAS 0.3.31 SKYLAKEX MAX_THREADS=4 threads={blas.DEFAULT_THREADS}"
     assert choice.info()["library"] == CMEEL[1]
+
+
+def test_nothing_is_loaded_for_mlx_on_cuda(machine: dict[str, Any]) -> None:
+    # mlx-cuda-13's wheel vendors the reference BLAS too, but its matrix products run on the GPU.
+    machine["reference"] = "/venv/site-packages/mlx_cuda_13.libs/libblas-bd8a282c.so.3.10.0"
+    machine["cuda"] = "mlx-cuda-13"
+    choice = blas.choose()
+    assert machine["loaded"] == []
+    assert choice.library is None and "mlx-cuda-13" in choice.reason and "GPU" in choice.reason
 
 
 def test_users_thread_count_is_kept(machine: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,7 +188,10 @@ def test_model_info_reports_blas_and_dtype() -> None:
     r = run_cli(["--model-info"])
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
-    assert info["dtype"] in ("float32", "quantized")  # float32 unless memory is short
+    # float32 on a CPU, bfloat16 on CUDA, quantized on Metal or when memory is short
+    assert info["dtype"] in ("float32", "bfloat16", "quantized") and info["dtype_reason"].startswith("auto on")
+    if info["device"].startswith("Device(cpu"):
+        assert info["dtype"] != "bfloat16"
     assert set(info["blas"]) >= {"library", "source", "reason"}
     assert "imported before" not in info["blas"]["reason"]  # nothing on the CLI's path imports mlx first
     r = run_cli(["--model-info", "--dtype", "quantized"], env=cli_env(MLXPIPE_BLAS="off"))

@@ -66,3 +66,43 @@ def test_parameter_count_counts_packed_values(engine: Any) -> None:
 
     # The same count whether the weights are packed 4-bit words or float32 values.
     assert abs(engine_module._parameter_count(engine.model) - 134_515_008) < 1_000_000
+
+
+def test_auto_on_cuda_is_bfloat16_when_it_fits_in_gpu_memory(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlxpipe import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_accelerator", lambda: "cuda")
+    monkeypatch.setattr(engine_module, "_gpu_memory", lambda: 140_000_000_000)
+    assert engine_module.choose_dtype(engine.model, "auto")[0] == "bfloat16"
+    # 135M weights in bfloat16 are ~270 MB: with 400 MB of GPU memory free they do not fit in half.
+    monkeypatch.setattr(engine_module, "_gpu_memory", lambda: 400_000_000)
+    used, reason = engine_module.choose_dtype(engine.model, "auto")
+    assert used == "quantized" and "GPU memory" in reason
+
+
+def test_quantized_weights_on_a_gpu_compute_in_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from mlxpipe import engine as engine_module
+
+    def tiny() -> Any:
+        args = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128}
+        args |= {"num_attention_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 128}
+        model = llama.Model(llama.ModelArgs.from_dict(args))  # float32, as a GGUF's norms are
+        nn.quantize(model, group_size=32, bits=4)
+        return model
+
+    def dtypes(model: Any) -> set[Any]:
+        return {v.dtype for _, v in tree_flatten(model.parameters())}
+
+    monkeypatch.setattr(engine_module, "_accelerator", lambda: None)
+    assert dtypes(engine_module.apply_dtype(tiny(), "quantized")) == {mx.uint32, mx.float32}
+    monkeypatch.setattr(engine_module, "_accelerator", lambda: "cuda")
+    model = engine_module.apply_dtype(tiny(), "quantized")
+    assert dtypes(model) == {mx.uint32, mx.bfloat16}  # packed weights kept; scales, biases and norms 16-bit
+    assert model(mx.array([[1, 2, 3]])).dtype == mx.bfloat16
