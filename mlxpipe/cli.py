@@ -359,7 +359,9 @@ def _main(argv: list[str] | None, console: Console) -> int:
     stats = Stats()
     try:
         try:
-            engine = Engine.load(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+            engine = Engine.load(
+                args.model, dtype=args.dtype, batch=args.batch, trust_remote_code=args.trust_remote_code
+            )
         except ModelError as exc:
             _say(f"mlxpipe: error: {exc}")
             return EXIT_MODEL

@@ -92,11 +92,14 @@ class Engine:
         tokenizer.model_max_length = sys.maxsize
 
     @classmethod
-    def load(cls, spec: str | None = None, dtype: str = "auto", *, trust_remote_code: bool = False) -> Engine:
+    def load(
+        cls, spec: str | None = None, dtype: str = "auto", batch: int = 1, *, trust_remote_code: bool = False
+    ) -> Engine:
         """Resolve ``spec`` (see :func:`mlxpipe.models.resolve`) and load it, or raise ``ModelError``.
 
-        ``dtype`` is one of :data:`DTYPES`; :func:`choose_dtype` says what ``auto`` picks. A model or
-        tokenizer that ships its own Python code is refused unless ``trust_remote_code``.
+        ``dtype`` is one of :data:`DTYPES`; :func:`choose_dtype` says what ``auto`` picks for ``batch``
+        records generating at once. A model or tokenizer that ships its own Python code is refused unless
+        ``trust_remote_code``.
         """
         source = models.resolve(spec)
         folder = models.materialize(source)
@@ -116,7 +119,7 @@ class Engine:
                 ) from None
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise models.ModelError(f"cannot load model {source.spec!r}: {first}") from None
-        used, reason = choose_dtype(model, dtype)
+        used, reason = choose_dtype(model, dtype, batch)
         return cls(apply_dtype(model, used), tokenizer, source, folder, used, reason)
 
     def info(self) -> dict[str, Any]:
@@ -685,30 +688,33 @@ def _parameter_count(model: Any) -> int:
     return total
 
 
-def choose_dtype(model: Any, requested: str) -> tuple[str, str]:
-    """The dtype to compute in for ``requested`` (one of :data:`DTYPES`), and why.
+def choose_dtype(model: Any, requested: str, batch: int = 1) -> tuple[str, str]:
+    """The dtype to compute in for ``requested`` (one of :data:`DTYPES`), ``batch`` records at once; and why.
 
-    ``auto``: on CUDA, bfloat16 when the bfloat16 weights fit in half the free GPU memory; on Metal keep
-    quantized weights (the fast single-stream path there); on a CPU use float32 (mlx's quantized CPU kernels
-    are slow and do not batch: float32 was faster even with the reference BLAS, and far faster with OpenBLAS;
-    bench/RESULTS.md) when the float32 weights fit in half the free memory.
+    ``auto``: on CUDA with ``batch`` > 1, bfloat16 when the bfloat16 weights fit in half the free GPU memory
+    (on an H200 the cost of mlx's quantized matmuls grows with the batch: a 1B model's decode step took 3 ms
+    for one record and 61 ms for 128, against 3 and 6 ms in bfloat16; bench/RESULTS.md). Otherwise on a GPU
+    the quantized weights (about as fast for one stream there, and 2-4x less memory). On a CPU float32
+    (mlx's quantized CPU kernels are slow and do not batch: float32 was faster even with the reference BLAS,
+    and far faster with OpenBLAS; bench/RESULTS.md) when the float32 weights fit in half the free memory.
     """
     if requested not in DTYPES:
         raise models.ModelError(f"unknown dtype {requested!r} (choose from {', '.join(DTYPES)})")
     if requested != "auto":
         return requested, "asked for with --dtype"
     accelerator = _accelerator()
-    if accelerator == "cuda":
+    if accelerator == "cuda" and batch > 1:
         need = _parameter_count(model) * 2
         free = _gpu_memory()
         if free is not None and need > free // 2:
+            gb = need / 1e9
             return (
                 "quantized",
-                f"auto on cuda: bfloat16 weights ({need / 1e9:.1f} GB) exceed half the free GPU memory",
+                f"auto on cuda: bfloat16 weights ({gb:.1f} GB) exceed half the free GPU memory",
             )
         return (
             "bfloat16",
-            "auto on cuda: bfloat16 weights (faster than quantized kernels there, and they batch)",
+            "auto on cuda with --batch: bfloat16 weights (quantized matmuls do not batch there)",
         )
     if accelerator is not None:
         return "quantized", f"auto on {accelerator}: quantized weights"

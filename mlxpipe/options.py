@@ -312,8 +312,8 @@ OPTIONS: tuple[Option, ...] = (
         ("--dtype",),
         "model",
         "Weights' type for computing: auto picks the fastest per backend (on a CPU float32 when memory "
-        "allows, with an optimized BLAS on Linux; on CUDA bfloat16 when GPU memory allows; on Metal the "
-        "quantized weights as loaded).",
+        "allows, with an optimized BLAS on Linux; on CUDA with --batch bfloat16 when GPU memory allows; "
+        "otherwise on a GPU the quantized weights as loaded).",
         metavar="TYPE",
         choices=("auto", "float32", "float16", "bfloat16", "quantized"),
         default="auto",

@@ -189,7 +189,9 @@ def test_model_info_reports_blas_and_dtype() -> None:
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     # float32 on a CPU, bfloat16 on CUDA, quantized on Metal or when memory is short
-    assert info["dtype"] in ("float32", "bfloat16", "quantized") and info["dtype_reason"].startswith("auto on")
+    assert info["dtype"] in ("float32", "bfloat16", "quantized") and info["dtype_reason"].startswith(
+        "auto on"
+    )
     if info["device"].startswith("Device(cpu"):
         assert info["dtype"] != "bfloat16"
     assert set(info["blas"]) >= {"library", "source", "reason"}

@@ -68,18 +68,21 @@ def test_parameter_count_counts_packed_values(engine: Any) -> None:
     assert abs(engine_module._parameter_count(engine.model) - 134_515_008) < 1_000_000
 
 
-def test_auto_on_cuda_is_bfloat16_when_it_fits_in_gpu_memory(
+def test_auto_on_cuda_batches_in_bfloat16_when_it_fits_in_gpu_memory(
     engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from mlxpipe import engine as engine_module
 
     monkeypatch.setattr(engine_module, "_accelerator", lambda: "cuda")
     monkeypatch.setattr(engine_module, "_gpu_memory", lambda: 140_000_000_000)
-    assert engine_module.choose_dtype(engine.model, "auto")[0] == "bfloat16"
+    assert engine_module.choose_dtype(engine.model, "auto")[0] == "quantized"  # one stream
+    assert engine_module.choose_dtype(engine.model, "auto", batch=8)[0] == "bfloat16"
     # 135M weights in bfloat16 are ~270 MB: with 400 MB of GPU memory free they do not fit in half.
     monkeypatch.setattr(engine_module, "_gpu_memory", lambda: 400_000_000)
-    used, reason = engine_module.choose_dtype(engine.model, "auto")
+    used, reason = engine_module.choose_dtype(engine.model, "auto", batch=8)
     assert used == "quantized" and "GPU memory" in reason
+    monkeypatch.setattr(engine_module, "_accelerator", lambda: "metal")
+    assert engine_module.choose_dtype(engine.model, "auto", batch=8)[0] == "quantized"
 
 
 def test_quantized_weights_on_a_gpu_compute_in_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
