@@ -184,18 +184,27 @@ def _candidates() -> list[tuple[str, str]]:
     return found
 
 
-# OpenBLAS's worker threads spin while they wait: on a CPU shared with other busy processes a run with
-# 2 threads on 2 cores decoded 1.6 tok/s where 1 thread gave 5.4 (bench/RESULTS.md). The user's own
-# OPENBLAS_NUM_THREADS (or OMP_NUM_THREADS) still wins.
-DEFAULT_THREADS = 1
+# OpenBLAS's own default (one thread per core) is fastest on a quiet machine: 20.1 vs 16.4 tok/s single and
+# 163 vs 131 tok/s at --batch 16 on 2 cores (bench/RESULTS.md). But its worker threads spin while they
+# wait, so ranks of an mlx.launch job sharing one host's cores get one thread each. The user's own
+# OPENBLAS_NUM_THREADS (or OMP_NUM_THREADS) always wins.
 _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+_LAUNCHER_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def default_threads() -> int | None:
+    """The OpenBLAS thread count mlxpipe sets, or ``None`` to keep the library's own default."""
+    if any(os.environ.get(name) for name in _THREAD_VARS):
+        return None
+    return 1 if any(name in os.environ for name in _LAUNCHER_VARS) else None
 
 
 def _set_threads(handle: Any) -> None:
-    if any(os.environ.get(name) for name in _THREAD_VARS):
+    threads = default_threads()
+    if threads is None:
         return
     with contextlib.suppress(AttributeError):  # not OpenBLAS: leave the library's own default
-        handle.openblas_set_num_threads(ctypes.c_int(DEFAULT_THREADS))
+        handle.openblas_set_num_threads(ctypes.c_int(threads))
 
 
 def _openblas_config(handle: Any) -> str | None:

@@ -68,7 +68,7 @@ def test_loads_cmeel_openblas_first_when_mlx_has_the_reference_blas(machine: dic
     choice = blas.choose()
     assert machine["loaded"] == [CMEEL[1]]
     assert (choice.library, choice.source, choice.reference) == (CMEEL[1], "cmeel-openblas", False)
-    assert choice.config == f"OpenBLAS 0.3.31 SKYLAKEX MAX_THREADS=4 threads={blas.DEFAULT_THREADS}"
+    assert choice.config == "OpenBLAS 0.3.31 SKYLAKEX MAX_THREADS=4 threads=2"  # the library's default
     assert choice.info()["library"] == CMEEL[1]
 
 
@@ -82,8 +82,18 @@ def test_nothing_is_loaded_for_mlx_on_cuda(machine: dict[str, Any]) -> None:
 
 
 def test_users_thread_count_is_kept(machine: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_RANK", "1")
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     assert (blas.choose().config or "").endswith("threads=2")
+
+
+def test_one_thread_per_rank_under_mlx_launch(
+    machine: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLX_RANK", "0")
+    assert (blas.choose().config or "").endswith("threads=1")
 
 
 def test_falls_back_to_the_system_library_and_says_why(machine: dict[str, Any]) -> None:
