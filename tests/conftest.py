@@ -72,6 +72,18 @@ def batch_is_exact() -> bool:
     return bool(json.loads(r.stdout)["device"].startswith("Device(cpu"))
 
 
+def start_cli(args: list[str]) -> subprocess.Popen[bytes]:
+    """Start ``mlxpipe ARGS`` as a real process with stdin, stdout and stderr as pipes."""
+    return subprocess.Popen(
+        [*MLXPIPE, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+        cwd=REPO,
+    )
+
+
 @pytest.fixture(scope="session")
 def engine() -> Any:
     """The real embedded model, loaded once per test session."""

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 
 import pytest
-from conftest import MLXPIPE, REPO, cli_env, run_cli
+from conftest import run_cli, start_cli
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -113,14 +112,7 @@ def test_seeded_sampling_does_not_depend_on_batch_neighbours(batch_is_exact: boo
 
 @pytest.mark.model
 def test_sigint_interrupts_every_record_in_flight_in_order() -> None:
-    p = subprocess.Popen(
-        [*MLXPIPE, "--jsonl", "-n", "200", "--batch", "4"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=cli_env(),
-        cwd=REPO,
-    )
+    p = start_cli(["--jsonl", "-n", "200", "--batch", "4"])
     assert p.stdin and p.stdout and p.stderr
     p.stdin.write(b'"Write a long story about a dragon."\n"Tell me about the sea."\n"Describe a forest."\n')
     p.stdin.flush()  # stdin stays open: the records in flight must not wait for more input

@@ -17,7 +17,7 @@ from io import BytesIO
 from pathlib import Path
 
 import pytest
-from conftest import MLXPIPE, REPO, cli_env, run_cli
+from conftest import MLXPIPE, REPO, cli_env, run_cli, start_cli
 
 pytestmark = pytest.mark.model
 
@@ -257,14 +257,7 @@ def test_sigkill_mid_run_then_resume_completes_every_record_once(tmp_path: Path,
 
 def test_second_sigint_exits_at_once_even_in_a_long_prefill() -> None:
     """Two signals while mlx is busy in one long C call: the second must not wait for it to end."""
-    p = subprocess.Popen(
-        [*MLXPIPE, "--jsonl", "--no-stream", "--raw", "-n", "1"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=cli_env(),
-        cwd=REPO,
-    )
+    p = start_cli(["--jsonl", "--no-stream", "--raw", "-n", "1"])
     assert p.stdin and p.stdout and p.stderr
     p.stdin.write(b'"Hi"\n' + json.dumps("word " * 8000).encode() + b"\n")  # a near-context prefill
     p.stdin.close()

@@ -7,7 +7,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import MLXPIPE, REPO, cli_env, run_cli
+from conftest import MLXPIPE, REPO, cli_env, run_cli, start_cli
 
 pytestmark = pytest.mark.model
 
@@ -117,14 +117,7 @@ def test_consumer_that_stops_reading_ends_quietly(tmp_path) -> None:
 
 
 def test_answer_streams_before_stdin_closes() -> None:
-    p = subprocess.Popen(
-        [*MLXPIPE, "-n", "20"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=cli_env(),
-        cwd=REPO,
-    )
+    p = start_cli(["-n", "20"])
     assert p.stdin and p.stdout
     try:
         p.stdin.write(f"{PARIS}\n".encode())
@@ -150,14 +143,7 @@ def test_python_api_yields_the_same_events(engine) -> None:
 def test_sigint_ends_the_record_with_a_done_line_and_exit_130() -> None:
     import signal
 
-    p = subprocess.Popen(
-        [*MLXPIPE, "--jsonl", "-n", "200"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=cli_env(),
-        cwd=REPO,
-    )
+    p = start_cli(["--jsonl", "-n", "200"])
     assert p.stdin and p.stdout
     p.stdin.write(b'"Write a long story about a dragon."\n"Second."\n')
     p.stdin.close()

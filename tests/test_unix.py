@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import MLXPIPE, REPO, cli_env, run_cli
+from conftest import MLXPIPE, REPO, cli_env, run_cli, start_cli
 
 from mlxpipe import __version__
 from mlxpipe.term import Console, count_records
@@ -249,14 +249,7 @@ def test_interactive_ctrl_c_while_waiting_for_a_line() -> None:
 
 @pytest.mark.model
 def test_sigterm_ends_the_record_with_a_done_line_and_exit_143() -> None:
-    p = subprocess.Popen(
-        [*MLXPIPE, "--jsonl", "-n", "200"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=cli_env(),
-        cwd=REPO,
-    )
+    p = start_cli(["--jsonl", "-n", "200"])
     assert p.stdin and p.stdout and p.stderr
     p.stdin.write(b'"Write a long story about a dragon."\n"Second."\n')
     p.stdin.close()
