@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -276,9 +276,7 @@ class Engine:
         """
         if cache is None:
             cache, cached = make_prompt_cache(self.model), 0
-        for start in range(cached, len(prompt) - 1, _PREFILL):
-            self.model(mx.array(prompt[start : min(start + _PREFILL, len(prompt) - 1)])[None], cache=cache)
-            mx.eval([c.state for c in cache])
+        self._prefill(cache, prompt[:-1], start=cached)
         scores: dict[str, float] = {}
         for label in labels:
             ids = list(self.tokenizer.encode(label, add_special_tokens=False))
@@ -345,11 +343,8 @@ class Engine:
         """
         if not self.reuse_prefix:
             return 0, None
-        probe = self._probe(record)
-        n = 0
-        limit = min(len(probe), len(tokens) - 1)  # at least one token must remain to start generation
-        while n < limit and probe[n] == tokens[n]:
-            n += 1
+        # At least one token must remain to start generation.
+        n = _common_prefix(self._probe(record), tokens[:-1])
         if n < MIN_PREFIX_TOKENS:
             return 0, None
         key = tuple(tokens[:n])
@@ -358,14 +353,18 @@ class Engine:
             cache = make_prompt_cache(self.model)
             if not all(type(c) is KVCache for c in cache):
                 return 0, None  # sliding-window or recurrent caches cannot be shared by slicing
-            for start in range(0, n, 2048):
-                self.model(mx.array(key[start : start + 2048])[None], cache=cache)
-                mx.eval([c.state for c in cache])
+            self._prefill(cache, key, step=2048)
             self._prefixes[key] = cache
             if len(self._prefixes) > PREFIX_CACHE_ENTRIES:
                 self._prefixes.popitem(last=False)
         self._prefixes.move_to_end(key)
         return n, [_copy_kv(c, n) for c in cache]
+
+    def _prefill(self, cache: list[Any], tokens: Sequence[int], start: int = 0, step: int = _PREFILL) -> None:
+        """Run ``tokens[start:]`` into ``cache``, ``step`` tokens per forward pass (bounds memory)."""
+        for at in range(start, len(tokens), step):
+            self.model(mx.array(list(tokens[at : at + step]))[None], cache=cache)
+            mx.eval([c.state for c in cache])
 
     def _probe(self, record: Record) -> tuple[int, ...]:
         s = record.settings
@@ -377,10 +376,7 @@ class Engine:
                 a, b = (self._tokens(record, record.lead + p) for p in _PROBES)
             except RecordError:
                 a = b = []
-            n = 0
-            while n < min(len(a), len(b)) and a[n] == b[n]:
-                n += 1
-            found = tuple(a[:n])
+            found = tuple(a[: _common_prefix(a, b)])
             self._probed[key] = found
             if len(self._probed) > 64:
                 self._probed.popitem(last=False)
@@ -445,6 +441,14 @@ class Engine:
     def batch(self, size: int) -> Batch:
         """A :class:`Batch` of up to ``size`` records generating together."""
         return Batch(self, size)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _copy_kv(cache: Any, n: int) -> Any:
