@@ -49,13 +49,16 @@ def _choices(opt: Option) -> str:
     return f" {opt.metavar} is one of: {', '.join(opt.choices)}." if opt.choices and opt.metavar else ""
 
 
+def _grouped() -> list[tuple[str, list[Option]]]:
+    """The options by group, in the order of GROUPS; groups without options left out."""
+    groups = [(title, [o for o in OPTIONS if o.group == key]) for key, title in GROUPS.items()]
+    return [(title, opts) for title, opts in groups if opts]
+
+
 def man_options() -> str:
     """The OPTIONS section's body in man(7) macros, one subsection per group."""
     out: list[str] = []
-    for key, title in GROUPS.items():
-        opts = [o for o in OPTIONS if o.group == key]
-        if not opts:
-            continue
+    for title, opts in _grouped():
         out.append(f".SS {title}")
         for opt in opts:
             flags = ", ".join(f"\\fB{_roff(f)}\\fR" for f in opt.flags)
@@ -74,10 +77,7 @@ def _md(text: str) -> str:
 def readme_options() -> str:
     """The README's option table in Markdown, one table per group."""
     out: list[str] = []
-    for key, title in GROUPS.items():
-        opts = [o for o in OPTIONS if o.group == key]
-        if not opts:
-            continue
+    for title, opts in _grouped():
         out += [f"**{title}**", "", "| Option | Meaning |", "|---|---|"]
         for opt in opts:
             sig = ", ".join(f"`{f}`" for f in opt.flags[:-1])
