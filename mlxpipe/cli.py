@@ -275,6 +275,16 @@ def _check_files(files: list[str]) -> None:
                 raise io.UsageError(f"cannot open {name}: {exc.strerror}") from None
 
 
+def _helper_rank_done() -> int:
+    """How a rank other than 0 ends: exit 0, since rank 0 carries the job's status.
+
+    mlx.launch stops every rank once one exits non-zero; that SIGTERM is ignored, as rank 0 may still
+    be writing.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run mlxpipe with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     global _console
@@ -315,8 +325,7 @@ def _main(argv: list[str] | None, console: Console) -> int:
         _WHO = f"mlxpipe[rank {ranks.rank}]:"
     if ranks.size > 1 and (not args.files or "-" in args.files):
         if ranks.rank:  # the same arguments on every rank: rank 0 says it, and carries the status
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # mlx.launch's, once rank 0 has exited 2
-            return EXIT_OK
+            return _helper_rank_done()
         _say(
             "mlxpipe: error: under mlx.launch give the input as FILE arguments (every rank reads "
             "them): stdin does not reach the ranks"
@@ -338,8 +347,7 @@ def _main(argv: list[str] | None, console: Console) -> int:
         except RankLost as exc:
             problem = f"lost a rank of the mlx.launch job before the start ({exc})"
         if problem and ranks.rank:  # rank 0 says it for the job, and carries the status
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            return EXIT_OK
+            return _helper_rank_done()
     if problem:
         _say(f"mlxpipe: error: {problem}")
         return EXIT_USAGE
@@ -446,11 +454,8 @@ def _main(argv: list[str] | None, console: Console) -> int:
                 "records were written, the rest were not: run the job again with --resume to finish it"
             )
             return 128 + interrupts.signum if interrupts.signum is not None else EXIT_FAILED
-        if ranks.rank:
-            # Rank 0 carries the job's status (a stop included). mlx.launch stops every rank once one exits
-            # non-zero, so a helper rank exits 0 and ignores that SIGTERM: rank 0 may still be writing.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            return EXIT_OK
+        if ranks.rank:  # rank 0 carries the job's status, a stop included
+            return _helper_rank_done()
         console.close()
         if args.stats:
             _say(stats.line(time.perf_counter() - started))
