@@ -6,7 +6,9 @@ Each configuration runs in its own process (the BLAS and its thread count are fi
 
 - baseline: the model as loaded (4-bit), mlx's bundled reference BLAS (``MLXPIPE_BLAS=off``);
 - float32 + reference BLAS (``MLXPIPE_BLAS=off --dtype float32``);
-- float32 + OpenBLAS with 1 and with 2 threads (``OPENBLAS_NUM_THREADS``).
+- float32 + OpenBLAS with 1 and with 2 threads (``OPENBLAS_NUM_THREADS``), one-row products by OpenBLAS's
+  sgemm (``MLXPIPE_GEMV=off``);
+- float32 + OpenBLAS with 2 threads and mlxpipe's default forwarding of one-row products to sgemv.
 
 A step is one forward pass of B new tokens with a KV cache plus the greedy pick, evaluated: what one decode
 step of ``mlx_lm.stream_generate`` (B=1) or of ``--batch B`` costs the model. The minimum over the steps is
@@ -28,8 +30,9 @@ import time
 CONFIGS = {
     "4-bit, reference BLAS (baseline)": ("quantized", {"MLXPIPE_BLAS": "off"}),
     "float32, reference BLAS": ("float32", {"MLXPIPE_BLAS": "off"}),
-    "float32, OpenBLAS 1 thread": ("float32", {"OPENBLAS_NUM_THREADS": "1"}),
-    "float32, OpenBLAS 2 threads": ("float32", {"OPENBLAS_NUM_THREADS": "2"}),
+    "float32, OpenBLAS 1 thread": ("float32", {"OPENBLAS_NUM_THREADS": "1", "MLXPIPE_GEMV": "off"}),
+    "float32, OpenBLAS 2 threads": ("float32", {"OPENBLAS_NUM_THREADS": "2", "MLXPIPE_GEMV": "off"}),
+    "float32, OpenBLAS 2 thr., sgemv fwd": ("float32", {"OPENBLAS_NUM_THREADS": "2", "MLXPIPE_GEMV": ""}),
 }
 PROMPT = "Write a long story about a dragon who learns to paint."
 
@@ -48,6 +51,8 @@ def measure(dtype: str, batch: int, steps: int, stream: bool) -> dict[str, float
     engine = Engine.load(None, dtype=dtype)
     used = engine.info()["blas"]
     assert used["library"] or os.environ.get("MLXPIPE_BLAS") == "off", used  # measure what the row says
+    forwarding = bool(used["library"]) and os.environ.get("MLXPIPE_GEMV") != "off"
+    assert used.get("gemv", "").startswith("one-row") == forwarding, used
     model = engine.model
     tokens = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True

@@ -17,6 +17,9 @@ Decision, in order:
   its wheel bundles the reference BLAS as well, but the matrix products run on the GPU.
 - Otherwise the first of these that loads: ``cmeel-openblas``'s ``libopenblas.so.0`` (the ``cpu`` extra
   installs it; it needs the system's gfortran runtime, ``libgfortran.so.5``), then a system ``libopenblas``.
+
+In front of a BLAS it loads, :mod:`mlxpipe.gemv` puts a ``cblas_sgemm`` that sends one-row products to
+``sgemv`` (``MLXPIPE_GEMV=off`` leaves it out).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from . import gemv
 
 __all__ = ["ENV", "BlasChoice", "choose", "setup"]
 
@@ -57,6 +62,7 @@ class BlasChoice:
     config: str | None = None  # OpenBLAS's own description (version, kernel, threads)
     failed: tuple[str, ...] = field(default=())  # candidates that would not load, with the loader's message
     reference: bool = False  # mlx computes with the reference BLAS it bundles (slow float32 matmuls)
+    gemv: str | None = None  # what mlxpipe.gemv did in front of the loaded library
 
     def info(self) -> dict[str, Any]:
         """The ``blas`` entry of ``--model-info``."""
@@ -66,6 +72,8 @@ class BlasChoice:
             out["config"] = self.config
         if self.failed:
             out["failed"] = list(self.failed)
+        if self.gemv:
+            out["gemv"] = self.gemv
         return out
 
 
@@ -107,12 +115,15 @@ def _load_first(candidates: list[tuple[str, str]], none_reason: str, reference: 
     failed: list[str] = []
     for source, path in candidates:
         try:
-            handle = _load(path)
+            handle = _load(path, ctypes.RTLD_LOCAL)
         except OSError as exc:
             failed.append(f"{path}: {exc}")
             continue
+        forwarding = gemv.install(handle)  # global before the BLAS, so libmlx binds to its cblas_sgemm
+        _load(path, ctypes.RTLD_GLOBAL)
         _set_threads(handle)
-        return BlasChoice(path, source, "loaded before mlx", _openblas_config(handle), tuple(failed))
+        config = _openblas_config(handle)
+        return BlasChoice(path, source, "loaded before mlx", config, tuple(failed), gemv=forwarding)
     return BlasChoice(None, "mlx", none_reason, None, tuple(failed), reference=reference is not None)
 
 
@@ -127,9 +138,10 @@ def _mlx_imported() -> bool:
     return "mlx.core" in sys.modules
 
 
-def _load(path: str) -> Any:
-    # RTLD_GLOBAL: mlx's libmlx.so then binds its cblas_*/sgemm_ symbols to this library.
-    return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+def _load(path: str, mode: int) -> Any:
+    # Loaded RTLD_LOCAL first, then again RTLD_GLOBAL (which promotes it): mlx's libmlx.so then binds its
+    # cblas_* symbols to this library, or to a global library loaded before it.
+    return ctypes.CDLL(path, mode=mode)
 
 
 def _reference_blas() -> str | None:

@@ -7,6 +7,7 @@ The end-to-end check that a real BLAS is picked up is the --model-info test at t
 from __future__ import annotations
 
 import ast
+import ctypes
 import json
 from pathlib import Path
 from typing import Any
@@ -43,14 +44,21 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         "candidates": [CMEEL, SYSTEM],
         "cuda": None,  # the mlx CUDA backend's distribution, when installed
         "broken": set(),  # paths whose loading fails
-        "loaded": [],  # paths loaded, in order
+        "loaded": [],  # paths made global, in order
+        "steps": [],  # every load and gemv install, in order
     }
 
-    def load(path: str) -> FakeLibrary:
+    def load(path: str, mode: int) -> FakeLibrary:
         if path in state["broken"]:
             raise OSError("libgfortran.so.5: cannot open shared object file: No such file or directory")
-        state["loaded"].append(path)
+        state["steps"].append(("global" if mode == ctypes.RTLD_GLOBAL else "local", path))
+        if mode == ctypes.RTLD_GLOBAL:
+            state["loaded"].append(path)
         return FakeLibrary()
+
+    def install(library: FakeLibrary) -> str:
+        state["steps"].append(("gemv", None))
+        return "one-row products go to sgemv"
 
     monkeypatch.delenv(blas.ENV, raising=False)
     for name in blas._THREAD_VARS:
@@ -61,6 +69,7 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(blas, "_candidates", lambda: list(state["candidates"]))
     monkeypatch.setattr(blas, "_cuda_backend", lambda: state["cuda"])
     monkeypatch.setattr(blas, "_load", load)
+    monkeypatch.setattr(blas.gemv, "install", install)
     return state
 
 
@@ -70,6 +79,10 @@ def test_loads_cmeel_openblas_first_when_mlx_has_the_reference_blas(machine: dic
     assert (choice.library, choice.source, choice.reference) == (CMEEL[1], "cmeel-openblas", False)
     assert choice.config == "OpenBLAS 0.3.31 SKYLAKEX MAX_THREADS=4 threads=2"  # the library's default
     assert choice.info()["library"] == CMEEL[1]
+    # The gemv forwarding goes into the global scope between the local and the global load of the BLAS,
+    # so that libmlx's cblas_sgemm binds to it and it can call the BLAS.
+    assert machine["steps"] == [("local", CMEEL[1]), ("gemv", None), ("global", CMEEL[1])]
+    assert choice.info()["gemv"] == "one-row products go to sgemv"
 
 
 def test_nothing_is_loaded_for_mlx_on_cuda(machine: dict[str, Any]) -> None:
