@@ -37,7 +37,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model
 
-from . import models
+from . import cpu_fast, models
 from .events import Chunk, Done, Error
 from .io import Record
 
@@ -81,6 +81,7 @@ class Engine:
         self.folder = folder
         self.dtype = dtype
         self.dtype_reason = dtype_reason
+        self.cpu_fast_paths: list[str] = []  # layers swapped by mlxpipe.cpu_fast (set by load)
         self.context_length = int(models.describe(source, folder).get("context_length") or 0)
         self.reuse_prefix = True
         self._prefixes: OrderedDict[tuple[int, ...], list[Any]] = OrderedDict()
@@ -120,15 +121,20 @@ class Engine:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise models.ModelError(f"cannot load model {source.spec!r}: {first}") from None
         used, reason = choose_dtype(model, dtype, batch)
-        return cls(apply_dtype(model, used), tokenizer, source, folder, used, reason)
+        engine = cls(apply_dtype(model, used), tokenizer, source, folder, used, reason)
+        # mx.fast's norms and RoPE have no CPU kernels: on a CPU, compiled equivalents (bench/cpu_fast.py).
+        if _accelerator() is None and cpu_fast.enabled():
+            engine.cpu_fast_paths = cpu_fast.apply(engine.model)
+        return engine
 
     def info(self) -> dict[str, Any]:
-        """What ``--model-info`` prints: the model's description, compute device, dtype and BLAS."""
+        """What ``--model-info`` prints: the model's description, compute device, dtype, BLAS, fast paths."""
         info = models.describe(self.source, self.folder)
         info["device"] = str(mx.default_device())
         info["dtype"] = self.dtype
         info["dtype_reason"] = self.dtype_reason
         info["blas"] = blas.setup().info()
+        info["cpu_fast_paths"] = self.cpu_fast_paths
         return info
 
     # -----------------------------------------------------------------------------------------

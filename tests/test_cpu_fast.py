@@ -1,0 +1,151 @@
+"""The CPU fast paths (mlxpipe/cpu_fast.py): the swapped layers compute what mx.fast computes.
+
+Unit tests on random inputs against ``mx.fast`` itself, then the real model with and without the swaps.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from conftest import cli_env, run_cli
+
+from mlxpipe import cpu_fast  # first: it loads the BLAS before mlx is first imported in this process
+
+# isort: split
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+# On a CPU the compiled compositions matched mx.fast bit for bit in float32, float16 and bfloat16; the
+# tolerance leaves room for a compiler that fuses multiply-adds differently.
+TOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 2e-2}
+DTYPES = list(TOL)
+
+
+def _close(a: mx.array, b: mx.array, dtype: Any) -> bool:
+    assert a.dtype == b.dtype == dtype and a.shape == b.shape
+    return bool(
+        mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=TOL[dtype], atol=TOL[dtype]).item()
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 7, 64), (2, 5, 3, 128)])
+def test_rms_norm_matches_mx_fast(dtype: Any, shape: tuple[int, ...]) -> None:
+    mx.random.seed(1)
+    x = (mx.random.normal(shape) * 3).astype(dtype)
+    plain = nn.RMSNorm(shape[-1], eps=1e-6)
+    plain.weight = mx.random.normal((shape[-1],)).astype(dtype)
+    fast = cpu_fast.FastRMSNorm(shape[-1], eps=1e-6)
+    fast.weight = plain.weight
+    assert _close(fast(x), plain(x), dtype)
+
+
+OFFSETS: list[Any] = [0, 1, 70, 4000, mx.array(70), mx.array([3, -2, 100])]  # last: BatchKVCache's per-row
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize(("dims", "width"), [(64, 64), (32, 64), (128, 128)])
+@pytest.mark.parametrize("offset", OFFSETS, ids=["0", "1", "70", "4000", "array", "per-row"])
+def test_rope_matches_mx_fast(dtype: Any, traditional: bool, dims: int, width: int, offset: Any) -> None:
+    mx.random.seed(2)
+    for tokens in (1, 5):
+        x = mx.random.normal((3, 9, tokens, width)).astype(dtype)
+        for base, scale in ((1e5, 1.0), (1e4, 0.3)):
+            plain = nn.RoPE(dims, traditional=traditional, base=base, scale=scale)
+            fast = cpu_fast.FastRoPE(dims, traditional=traditional, base=base, scale=scale)
+            assert _close(fast(x, offset), plain(x, offset), dtype), (tokens, base, scale)
+
+
+def test_rope_is_traced_once_for_every_position() -> None:
+    rope = cpu_fast.FastRoPE(64, traditional=True, base=1e5)
+    x = mx.random.normal((1, 9, 1, 64))
+    mx.eval(rope(x, 0))
+    before = cpu_fast.traces["rope"]
+    for offset in range(1, 20):
+        mx.eval(rope(x, offset))
+    assert cpu_fast.traces["rope"] == before  # a retrace per decode step would cost more than it saves
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = [nn.RMSNorm(8), nn.RMSNorm(8, eps=1e-3)]
+        self.rope = nn.RoPE(8, traditional=True, base=500)
+        self.scaled = Llama3RoPE(8, traditional=False, scaling_config={"factor": 8.0})  # not reproduced
+        self.norm = nn.LayerNorm(8)
+
+
+def test_apply_swaps_exact_classes_keeps_weights_and_reverts() -> None:
+    model = _Tiny()
+    model.layers[1].weight = mx.arange(8, dtype=mx.float32)
+    assert cpu_fast.apply(model, ["rope"]) == ["rope"]
+    assert type(model.layers[0]) is nn.RMSNorm and isinstance(model.rope, cpu_fast.FastRoPE)
+    assert cpu_fast.apply(model) == ["rms_norm"]  # the RoPE is already swapped
+    assert all(isinstance(m, cpu_fast.FastRMSNorm) for m in model.layers)
+    assert model.layers[1].eps == 1e-3 and model.layers[1].weight.tolist() == list(range(8))
+    assert (model.rope.dims, model.rope.traditional, model.rope.base) == (8, True, 500)
+    assert type(model.scaled) is Llama3RoPE and type(model.norm) is nn.LayerNorm
+    assert len(model.parameters()["layers"]) == 2 and "_inv_freqs" not in model.rope.parameters()
+    cpu_fast.revert(model)
+    assert type(model.layers[1]) is nn.RMSNorm and model.layers[1].eps == 1e-3 and type(model.rope) is nn.RoPE
+
+
+def test_switch() -> None:
+    assert cpu_fast.enabled()
+    for off in ("off", "0", "OFF", "no"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(cpu_fast.ENV, off)
+            assert not cpu_fast.enabled()
+
+
+# ---- the real embedded model ----------------------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_logits_agree_with_and_without_the_swaps(engine: Any) -> None:
+    if not engine.cpu_fast_paths:
+        pytest.skip("the fast paths are used on a CPU only")
+    tokens = engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+    prompt = mx.array([tokens])
+    try:
+        fast = engine.model(prompt)
+        cpu_fast.revert(engine.model)
+        plain = engine.model(prompt)
+    finally:
+        cpu_fast.apply(engine.model, engine.cpu_fast_paths)
+    # Measured bit for bit equal on this CPU; allow float32 rounding over 30 layers.
+    assert mx.allclose(fast, plain, rtol=1e-4, atol=1e-4).item()
+    assert mx.argmax(fast[0, -1]).item() == mx.argmax(plain[0, -1]).item()
+
+
+def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
+    env = cli_env() if fast else cli_env(**{cpu_fast.ENV: "off"})
+    r = run_cli(["--jsonl", "--no-stream", *args], input=lines, env=env)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    return [json.loads(line)["text"] for line in r.stdout.decode().splitlines()]
+
+
+@pytest.mark.model
+def test_model_info_reports_the_fast_paths() -> None:
+    info = json.loads(run_cli(["--model-info"]).stdout)
+    on_cpu = info["device"].startswith("Device(cpu")
+    assert info["cpu_fast_paths"] == (["rms_norm", "rope"] if on_cpu else [])
+    off = json.loads(run_cli(["--model-info"], env=cli_env(**{cpu_fast.ENV: "off"})).stdout)
+    assert off["cpu_fast_paths"] == []
+
+
+@pytest.mark.model
+def test_greedy_answers_single_and_batched_are_unchanged() -> None:
+    # Prompts of different lengths: --batch left-pads them, so RoPE gets per-row array offsets.
+    prompts = ["What is the capital of France?", "Name a colour.", "Count from one to five, in words please."]
+    lines = "".join(json.dumps({"prompt": p}) + "\n" for p in prompts)
+    single = _texts(["-n", "8"], lines, fast=True)
+    assert single[0].startswith("The capital of France is Paris")
+    assert single == _texts(["-n", "8"], lines, fast=False)
+    assert _texts(["-n", "8", "--batch", "3"], lines, fast=True) == _texts(
+        ["-n", "8", "--batch", "3"], lines, fast=False
+    )
