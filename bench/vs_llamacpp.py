@@ -1,6 +1,6 @@
 """mlxpipe against llama.cpp on the same GGUF file, measured side by side in one run.
 
-    flock -x /tmp/mlxpipe-cpu.lock python bench/vs_llamacpp.py [--threads 2] [--max-tokens 128] [--batch 16]
+    python bench/vs_llamacpp.py [--threads 2] [--max-tokens 128] [--batch 16,64]
 
 Both engines get the same prompt token ids (the embedded model's chat template, applied by mlxpipe), greedy
 decoding, and the same thread count (llama.cpp's n_threads/n_threads_batch; OpenBLAS's thread count for
@@ -123,11 +123,13 @@ def mlxpipe_batched(engine: Any, records: list[Any], size: int) -> tuple[str, fl
     from mlxpipe.events import Chunk, Done
 
     if "batch" in inspect.signature(run).parameters:
-        how = f"mlxpipe --batch {size}"
+        how = f"mlxpipe --batch {size} --unordered"
         start = time.perf_counter()
         firsts: dict[int, float] = {}
         tokens = 0
-        for event in run(iter(records), engine, batch=size):
+        # --unordered: each record's chunks as they come, so its first one is its time to first token
+        # (in input order a record's chunks wait for the records before it; the throughput is the same).
+        for event in run(iter(records), engine, batch=size, ordered=False):
             now = time.perf_counter() - start
             if isinstance(event, Chunk):
                 firsts.setdefault(event.index, now)
@@ -158,7 +160,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--records", type=int, default=4, help="records for each single-stream run")
-    parser.add_argument("--batch", type=int, default=16, help="records generated together (0: skip)")
+    parser.add_argument(
+        "--batch", default="16", help="comma-separated records generated together, one run each (0: skip)"
+    )
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
@@ -174,8 +178,10 @@ def main() -> int:
     engine = Engine.load(None, dtype=args.dtype)
     info = engine.info()
     print(f"model: {gguf.name}   threads: {args.threads}   max tokens: {args.max_tokens}")
+    print(f"load average before: {os.getloadavg()[0]:.2f} (other work on the CPU skews every figure)")
     print(f"mlxpipe: dtype {info['dtype']}, device {info['device']}, BLAS {info['blas']}")
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(args.records, args.batch))]
+    sizes = [int(b) for b in args.batch.split(",") if int(b) > 0]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max([args.records, *sizes]))]
     records = list(records_from_objects(prompts, settings))
     tokens = [engine.encode(r) for r in records]
 
@@ -194,10 +200,10 @@ def main() -> int:
                 at = next((i for i, (p, q) in pairs if p != q), min(len(x), len(y)))
                 print(f"  differ at character {at}: mlxpipe {x[at : at + 30]!r}")
                 print(f"  {'':>{len(str(at)) + 21}}llama.cpp {y[at : at + 30]!r}")
-    batched = None
-    if args.batch:
-        how, tps, n, ttft = mlxpipe_batched(engine, records[: args.batch], args.batch)
-        batched = tps
+    batched: dict[int, float] = {}
+    for size in sizes:
+        how, tps, n, ttft = mlxpipe_batched(engine, records[:size], size)
+        batched[size] = tps
         print(f"{how:<34} aggregate {tps:7.1f} tok/s ({n} tokens), median ttft {ttft * 1000:.0f} ms")
 
     print()
@@ -207,10 +213,12 @@ def main() -> int:
             "(goal >= 0.5)"
         )
         print(f"time to first token: mlxpipe/llama.cpp = {ours['ttft_ms'] / base['ttft_ms']:.2f}x")
-        if batched is not None:
-            print(f"batched aggregate / llama.cpp single = {batched / base['decode_tps']:.2f}x (goal >= 2)")
+        for size, tps in batched.items():
+            ratio = tps / base["decode_tps"]
+            print(f"batched aggregate (--batch {size}) / llama.cpp single = {ratio:.2f}x (goal >= 2)")
     else:
         print("no llama.cpp baseline: ratios not computed")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
 
 
