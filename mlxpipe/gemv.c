@@ -5,9 +5,11 @@
  * reads it at ~20 GB/s on the project machine; its sgemv reads the same matrix at ~50 GB/s
  * (bench/RESULTS.md). mlxpipe.gemv compiles this file, calls mlxpipe_gemv_init with the BLAS's own
  * functions, and puts this library before the BLAS in the global symbol scope, so that libmlx's
- * cblas_sgemm binds here. Everything that is not one row or one column goes to the BLAS's sgemm unchanged.
+ * cblas_sgemm binds here. Everything that is not one row or one column goes to the BLAS's sgemm unchanged,
+ * and so do small matrices (attention's per-head products at --batch), where sgemm was as fast or faster.
  */
 enum { ROW_MAJOR = 101, COL_MAJOR = 102, NO_TRANS = 111, TRANS = 112 };
+enum { MIN_ELEMENTS = 32768 }; /* the smallest matrix worth sgemv: 128 KB of float32 */
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
                          float *, int);
@@ -30,7 +32,8 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
         t = lda; lda = ldb; ldb = t;
         const float *p = a; a = b; b = p;
     }
-    if (m == 1) { /* c (1 x n) = alpha a (1 x k) op(B) + beta c; a is a row, or a column of stride lda */
+    /* c (1 x n) = alpha a (1 x k) op(B) + beta c; a is a row, or a column of stride lda */
+    if (m == 1 && (long)n * k >= MIN_ELEMENTS) {
         int inc_a = ta == NO_TRANS ? 1 : lda;
         if (tb == NO_TRANS) /* B is k x n: c = B^T a */
             blas_sgemv(ROW_MAJOR, TRANS, k, n, alpha, b, ldb, a, inc_a, beta, c, 1);
@@ -38,7 +41,8 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
             blas_sgemv(ROW_MAJOR, NO_TRANS, n, k, alpha, b, ldb, a, inc_a, beta, c, 1);
         return;
     }
-    if (n == 1) { /* c (m x 1, stride ldc) = alpha op(A) (m x k) b (k x 1) + beta c */
+    /* c (m x 1, stride ldc) = alpha op(A) (m x k) b (k x 1) + beta c */
+    if (n == 1 && (long)m * k >= MIN_ELEMENTS) {
         int inc_b = tb == NO_TRANS ? ldb : 1;
         if (ta == NO_TRANS) /* A is m x k */
             blas_sgemv(ROW_MAJOR, NO_TRANS, m, k, alpha, a, lda, b, inc_b, beta, c, ldc);

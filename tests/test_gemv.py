@@ -50,7 +50,7 @@ def test_forwarding_sgemm_matches_numpy_for_every_layout(
     ptr = ctypes.c_void_p
     rng = np.random.default_rng(7)
     for (m, k, n), order, ta, tb in itertools.product(
-        [(1, 33, 17), (9, 33, 1), (1, 5, 1), (6, 33, 17)],
+        [(1, 33, 17), (9, 33, 1), (1, 5, 1), (6, 33, 17), (1, 300, 130), (310, 120, 1)],  # small, then sgemv
         [ROW_MAJOR, COL_MAJOR],
         [NO_TRANS, TRANS],
         [NO_TRANS, TRANS],
