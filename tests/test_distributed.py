@@ -195,9 +195,11 @@ def _launch(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     if not LAUNCH.exists():
         pytest.skip("mlx.launch is not installed next to this python")
     cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--python", sys.executable]
-    # mlx.launch hands the ranks a stdin that never closes, so ours is /dev/null.
+    # mlx.launch hands the ranks a stdin that never closes, so ours is /dev/null. Unbuffered: tests read a
+    # first line, then communicate() reads the pipe's fd, skipping lines a buffered readline() read ahead.
     return subprocess.Popen(
         [*cmd, "--", "-m", "mlxpipe", *args],
+        bufsize=0,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -358,7 +360,7 @@ def test_a_rank_that_dies_ends_the_run_with_a_clear_message_and_resume_finishes(
     tag = f"{os.getpid()}-{time.time()}"
     p = _launch(["--jsonl", "--no-stream", *SHORT, str(tmp_path / "in.jsonl")], env={"MLXPIPE_TEST_TAG": tag})
     assert p.stdout
-    first = p.stdout.readline()  # round 1 is gathered: both ranks are at work
+    first = p.stdout.readline()  # rank 0's first record: the job is under way
     assert json.loads(first)["id"] == "q1"
     pid = _rank_pid(tag, 1)
     assert pid is not None
