@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -40,6 +41,22 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 MLXPIPE = [sys.executable, "-m", "mlxpipe"]
+
+
+def ring_port() -> int:
+    """A port for ``mlx.launch -n 2 --backend ring -p PORT``: its ranks bind PORT and PORT + 1, so both must
+    be free (checking PORT alone let a rank meet a taken PORT + 1 under parallel tests on an H200)."""
+    while True:
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            if port >= 65535:
+                continue
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 def run_cli(

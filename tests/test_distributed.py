@@ -6,7 +6,6 @@ import io as stdio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, FakeEngine, cli_env
+from conftest import REPO, FakeEngine, cli_env, ring_port
 
 from mlxpipe import distributed, io
 from mlxpipe.cli import Renderer
@@ -185,16 +184,10 @@ def test_one_rank_alone_gathers_its_own_frame() -> None:
 # The real thing: two ranks on localhost with mlx.launch over the ring backend
 
 
-def _free_port() -> int:
-    with socket.socket() as s:  # the ring uses this port and the next one
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     if not LAUNCH.exists():
         pytest.skip("mlx.launch is not installed next to this python")
-    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--python", sys.executable]
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(ring_port()), "--python", sys.executable]
     # mlx.launch hands the ranks a stdin that never closes, so ours is /dev/null. Unbuffered: tests read a
     # first line, then communicate() reads the pipe's fd, skipping lines a buffered readline() read ahead.
     return subprocess.Popen(
@@ -279,7 +272,7 @@ def _launch_each(tmp_path: Path, contents: dict[int, str]) -> tuple[bytes, str]:
     for rank, text in contents.items():
         (tmp_path / f"host{rank}").mkdir()
         (tmp_path / f"host{rank}" / "in.txt").write_text(text)
-    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--", "sh", "-c"]
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(ring_port()), "--", "sh", "-c"]
     script = f'cd "{tmp_path}/host$MLX_RANK" && exec "{sys.executable}" -m mlxpipe -n 6 in.txt'
     p = subprocess.Popen(
         [*cmd, script],
@@ -326,7 +319,7 @@ print(ranks.rank, ranks.size, ranks.gather(b"x" * (3 + 5 * ranks.rank)), ranks.g
 def test_gather_and_broadcast_over_the_ring() -> None:
     if not LAUNCH.exists():
         pytest.skip("mlx.launch is not installed next to this python")
-    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--python", sys.executable]
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(ring_port()), "--python", sys.executable]
     p = subprocess.Popen(
         [*cmd, "--", "-c", GATHER],
         stdin=subprocess.DEVNULL,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from io import BytesIO
 from pathlib import Path
 
 import pytest
-from conftest import MLXPIPE, REPO, cli_env, run_cli, start_cli
+from conftest import MLXPIPE, REPO, cli_env, ring_port, run_cli, start_cli
 
 pytestmark = pytest.mark.model
 
@@ -307,9 +306,7 @@ def test_resume_under_mlx_launch_skips_the_same_records_on_every_rank(tmp_path: 
     inp.write_text("".join(json.dumps({"id": i, "prompt": "Say hi."}) + "\n" for i in ids))
     earlier = [{"event": "done", "id": i, "text": "Hi", "finish_reason": "stop"} for i in ("d1", "d4")]
     out.write_text("".join(json.dumps(e) + "\n" for e in earlier) + '{"event":"done","id":"d')
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = ring_port()
     cmd = [str(launch), "-n", "2", "--backend", "ring", "-p", str(port), "--python", sys.executable, "--"]
     r = subprocess.run(
         [*cmd, "-m", "mlxpipe", "--jsonl", "--raw", "-n", "2", "--resume", str(out), str(inp)],
