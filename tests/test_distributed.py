@@ -373,8 +373,13 @@ def test_a_rank_that_dies_ends_the_run_with_a_clear_message_and_resume_finishes(
     more, err = _finish(_launch(["--jsonl", *SHORT, "--resume", str(out), str(tmp_path / "in.jsonl")]))
     assert more == b"" and "mlxpipe" not in err and "exited with code" not in err, err
     done = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(e["id"] for e in done if e["event"] == "done") == sorted(f"q{i}" for i in range(1, 17))
-    assert [e["id"] for e in done] == [f"q{i}" for i in range(1, 17)]  # and still in input order
+    # Rank 0's record in flight can end "interrupted" (mlx.launch stops the ranks left with SIGTERM): that
+    # line stays, --resume does the record again, so each record is finished once, in input order.
+    interrupted = [e["id"] for e in done if e.get("finish_reason") == "interrupted"]
+    assert len(interrupted) <= 1
+    finished = [e["id"] for e in done if e["event"] == "done" and e["finish_reason"] != "interrupted"]
+    assert finished == [f"q{i}" for i in range(1, 17)]
+    assert len(done) == len(finished) + len(interrupted)
 
 
 @pytest.mark.model
