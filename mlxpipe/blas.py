@@ -38,7 +38,7 @@ from typing import Any
 
 from . import gemv
 
-__all__ = ["ENV", "BlasChoice", "choose", "setup"]
+__all__ = ["ENV", "BlasChoice", "choose", "setup", "threads", "use_threads"]
 
 ENV = "MLXPIPE_BLAS"
 _OFF = {"off", "0", "no", "false", "none"}
@@ -59,7 +59,7 @@ class BlasChoice:
     library: str | None
     source: str  # cmeel-openblas, system, MLXPIPE_BLAS, or "mlx" when mlx's own BLAS is used
     reason: str
-    config: str | None = None  # OpenBLAS's own description (version, kernel, threads)
+    config: str | None = None  # OpenBLAS's own description (version, kernel)
     failed: tuple[str, ...] = field(default=())  # candidates that would not load, with the loader's message
     reference: bool = False  # mlx computes with the reference BLAS it bundles (slow float32 matmuls)
     gemv: str | None = None  # what mlxpipe.gemv did in front of the loaded library
@@ -196,27 +196,57 @@ def _candidates() -> list[tuple[str, str]]:
     return found
 
 
-# OpenBLAS's own default (one thread per core) is fastest on a quiet machine: 20.1 vs 16.4 tok/s single and
-# 163 vs 131 tok/s at --batch 16 on 2 cores (bench/RESULTS.md). But its worker threads spin while they
-# wait, so ranks of an mlx.launch job sharing one host's cores get one thread each. The user's own
-# OPENBLAS_NUM_THREADS (or OMP_NUM_THREADS) always wins.
+# Threads. A single stream multiplies one row by each weight matrix (sgemv, via mlxpipe.gemv): as fast on
+# one thread here, and a second thread, which spins while it waits, makes decoding collapse as soon as
+# another process wants the core (32 -> 1.7 tok/s beside one busy process; 16.7 with one thread;
+# bench/RESULTS.md). Batched decoding multiplies matrices, where OpenBLAS's own default (a thread per core)
+# was 1.3x faster on a quiet machine. Ranks of an mlx.launch job sharing one host's cores get one thread
+# each. The user's own OPENBLAS_NUM_THREADS (or OMP_NUM_THREADS) always wins.
 _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 _LAUNCHER_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+_library: Any = None  # the OpenBLAS loaded by setup(), if any
+_library_threads: int | None = None  # its thread count after loading: the default for batched work
 
 
-def default_threads() -> int | None:
-    """The OpenBLAS thread count mlxpipe sets, or ``None`` to keep the library's own default."""
+def default_threads(batch: int | None = None) -> int | None:
+    """The OpenBLAS thread count mlxpipe sets for ``batch`` records decoding together (``None``: not known
+    yet), or ``None`` to keep the count the library started with."""
     if any(os.environ.get(name) for name in _THREAD_VARS):
         return None
-    return 1 if any(name in os.environ for name in _LAUNCHER_VARS) else None
+    if any(name in os.environ for name in _LAUNCHER_VARS):
+        return 1
+    return 1 if batch == 1 else None
+
+
+def use_threads(batch: int) -> None:
+    """Set the loaded OpenBLAS's threads for ``batch`` records decoding together (:func:`default_threads`)."""
+    if _library is None:
+        return
+    threads = default_threads(batch) or _library_threads
+    if threads:
+        with contextlib.suppress(AttributeError):
+            _library.openblas_set_num_threads(ctypes.c_int(threads))
+
+
+def threads() -> int | None:
+    """The loaded OpenBLAS's thread count now, for ``--model-info``; ``None`` without one."""
+    try:
+        return int(_library.openblas_get_num_threads()) if _library is not None else None
+    except AttributeError:
+        return None
 
 
 def _set_threads(handle: Any) -> None:
+    global _library, _library_threads
     threads = default_threads()
-    if threads is None:
-        return
-    with contextlib.suppress(AttributeError):  # not OpenBLAS: leave the library's own default
-        handle.openblas_set_num_threads(ctypes.c_int(threads))
+    if threads is not None:
+        with contextlib.suppress(AttributeError):  # not OpenBLAS: leave the library's own default
+            handle.openblas_set_num_threads(ctypes.c_int(threads))
+    _library = handle
+    try:
+        _library_threads = int(handle.openblas_get_num_threads())
+    except AttributeError:
+        _library_threads = None
 
 
 def _openblas_config(handle: Any) -> str | None:
@@ -225,9 +255,4 @@ def _openblas_config(handle: Any) -> str | None:
     except AttributeError:
         return None
     get_config.restype = ctypes.c_char_p
-    try:
-        threads = int(handle.openblas_get_num_threads())
-    except AttributeError:
-        threads = 0
-    text = (get_config() or b"").decode(errors="replace").strip()
-    return f"{text} threads={threads}" if threads else text
+    return (get_config() or b"").decode(errors="replace").strip()

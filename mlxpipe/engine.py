@@ -396,6 +396,7 @@ class Engine:
         Raises :class:`RecordError` before the first event when the record cannot be answered.
         ``should_stop`` is polled once per token; when it turns true the record ends as "interrupted".
         """
+        blas.use_threads(1)
         s = record.settings
         tokens = self.encode(record)
         if s.constraint is not None and s.constraint.kind == "choices":
@@ -446,6 +447,7 @@ class Engine:
 
     def batch(self, size: int) -> Batch:
         """A :class:`Batch` of up to ``size`` records generating together."""
+        blas.use_threads(size)
         return Batch(self, size)
 
 

@@ -70,6 +70,8 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(blas, "_cuda_backend", lambda: state["cuda"])
     monkeypatch.setattr(blas, "_load", load)
     monkeypatch.setattr(blas.gemv, "install", install)
+    monkeypatch.setattr(blas, "_library", None)  # the loaded library, as setup() keeps it
+    monkeypatch.setattr(blas, "_library_threads", None)
     return state
 
 
@@ -77,7 +79,8 @@ def test_loads_cmeel_openblas_first_when_mlx_has_the_reference_blas(machine: dic
     choice = blas.choose()
     assert machine["loaded"] == [CMEEL[1]]
     assert (choice.library, choice.source, choice.reference) == (CMEEL[1], "cmeel-openblas", False)
-    assert choice.config == "OpenBLAS 0.3.31 SKYLAKEX MAX_THREADS=4 threads=2"  # the library's default
+    assert choice.config == "OpenBLAS 0.3.31 SKYLAKEX MAX_THREADS=4"
+    assert blas.threads() == 2  # the library's default
     assert choice.info()["library"] == CMEEL[1]
     # The gemv forwarding goes into the global scope between the local and the global load of the BLAS,
     # so that libmlx's cblas_sgemm binds to it and it can call the BLAS.
@@ -97,7 +100,10 @@ def test_nothing_is_loaded_for_mlx_on_cuda(machine: dict[str, Any]) -> None:
 def test_users_thread_count_is_kept(machine: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLX_RANK", "1")
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
-    assert (blas.choose().config or "").endswith("threads=2")
+    blas.choose()
+    for batch in (1, 32):
+        blas.use_threads(batch)
+        assert blas.threads() == 2
 
 
 def test_one_thread_per_rank_under_mlx_launch(
@@ -106,7 +112,23 @@ def test_one_thread_per_rank_under_mlx_launch(
     for name in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MLX_RANK", "0")
-    assert (blas.choose().config or "").endswith("threads=1")
+    blas.choose()
+    assert blas.threads() == 1
+    blas.use_threads(32)
+    assert blas.threads() == 1
+
+
+def test_one_thread_for_one_stream_the_default_for_a_batch(machine: dict[str, Any]) -> None:
+    # One stream's products are matrix-vector ones: one thread is as fast, and cannot collapse when another
+    # process wants the second core; batched matrix products get the library's default again.
+    assert blas.threads() is None  # nothing loaded yet: nothing to set
+    blas.use_threads(1)
+    blas.choose()
+    assert blas.threads() == 2
+    blas.use_threads(1)
+    assert blas.threads() == 1
+    blas.use_threads(16)
+    assert blas.threads() == 2
 
 
 def test_falls_back_to_the_system_library_and_says_why(machine: dict[str, Any]) -> None:
@@ -219,6 +241,8 @@ def test_model_info_reports_blas_and_dtype() -> None:
         assert info["dtype"] != "bfloat16"
     assert set(info["blas"]) >= {"library", "source", "reason"}
     assert "imported before" not in info["blas"]["reason"]  # nothing on the CLI's path imports mlx first
+    if info["blas"]["library"]:
+        assert info["blas"]["threads"] >= 1
     r = run_cli(["--model-info", "--dtype", "quantized"], env=cli_env(MLXPIPE_BLAS="off"))
     assert r.returncode == 0, r.stderr
     off = json.loads(r.stdout)
