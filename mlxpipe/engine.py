@@ -134,6 +134,8 @@ class Engine:
         info["dtype"] = self.dtype
         info["dtype_reason"] = self.dtype_reason
         info["blas"] = blas.setup().info()
+        if blas.threads() is not None:
+            info["blas"]["threads"] = blas.threads()  # now: 1 while one stream decodes, else the default
         info["cpu_fast_paths"] = self.cpu_fast_paths
         return info
 
