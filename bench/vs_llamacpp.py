@@ -2,10 +2,11 @@
 
     python bench/vs_llamacpp.py [--threads 2] [--max-tokens 128] [--batch 16,64]
 
-Both engines get the same prompt token ids (the embedded model's chat template, applied by mlxpipe), greedy
-decoding, and the same thread count (llama.cpp's n_threads/n_threads_batch; OpenBLAS's thread count for
-mlxpipe, which is set before mlx is imported). Per record it takes the time to first token and the decode
-rate after it ((tokens - 1) / (last - first)), timed from outside each engine in the same way.
+Both engines get the same prompt token ids (the embedded model's chat template, applied by mlxpipe) and greedy
+decoding. llama.cpp gets ``--threads`` (n_threads/n_threads_batch, 2 = this machine's cores); mlxpipe runs
+with its defaults (1 OpenBLAS thread for one stream, one per core with ``--batch``; mlx runs its own thread
+beside), or with ``OPENBLAS_NUM_THREADS`` from the environment. Per record it takes the time to first token
+and the decode rate after it ((tokens - 1) / (last - first)), timed from outside each engine in the same way.
 
 Single stream: records one after another. Batched: mlxpipe's ``--batch`` path (``mlxpipe.run(batch=N)``) when
 this checkout has it, else mlx-lm's ``batch_generate`` on the same loaded model (said in the output);
@@ -172,8 +173,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
-    # OpenBLAS reads its thread count when it is loaded, which mlxpipe.engine does on import.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
+    # mlxpipe runs with its own thread choice (1 OpenBLAS thread for one stream, one per core for --batch),
+    # unless OPENBLAS_NUM_THREADS is set in the environment; it uses the machine's cores either way.
     from mlxpipe import models, records_from_objects
     from mlxpipe.engine import Engine
     from mlxpipe.io import Settings
@@ -183,7 +184,9 @@ def main() -> int:
     settings = Settings(max_tokens=args.max_tokens, temperature=0.0)
     engine = Engine.load(None, dtype=args.dtype)
     info = engine.info()
-    print(f"model: {gguf.name}   threads: {args.threads}   max tokens: {args.max_tokens}")
+    blas_threads = os.environ.get("OPENBLAS_NUM_THREADS", "mlxpipe's default")
+    print(f"model: {gguf.name}   llama.cpp threads: {args.threads}   OpenBLAS threads: {blas_threads}")
+    print(f"max tokens: {args.max_tokens}")
     print(f"load average before: {os.getloadavg()[0]:.2f} (other work on the CPU skews every figure)")
     print(f"mlxpipe: dtype {info['dtype']}, device {info['device']}, BLAS {info['blas']}")
     sizes = [int(b) for b in args.batch.split(",") if int(b) > 0]
