@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 PROMPT = "Write a long story about a dragon who learns to paint, in the style of a fairy tale for children."
 
@@ -36,7 +35,7 @@ def main() -> int:
     blas.setup()  # before mlx is imported, as mlxpipe.engine does: mlx binds its BLAS on import
     import mlx.core as mx
     import mlx_lm
-    from mlx_lm.models.cache import make_prompt_cache
+    from decode_steps import decode_steps
 
     from mlxpipe import cpu_fast
     from mlxpipe.engine import Engine
@@ -54,19 +53,8 @@ def main() -> int:
     tokens = (tokens * 4)[:64]  # a KV cache of 64 tokens before the timed steps
 
     def steps(batch: int, n: int) -> tuple[list[float], list[int]]:
-        cache = make_prompt_cache(model)
-        logits = model(mx.array([tokens] * batch), cache=cache)
-        nxt = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
-        mx.eval(nxt)
-        times, picked = [], []
-        for _ in range(n):
-            start = time.perf_counter()
-            logits = model(nxt, cache=cache)
-            nxt = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
-            mx.eval(nxt)
-            times.append(time.perf_counter() - start)
-            picked.append(int(nxt[0, 0].item()))
-        return times, picked
+        run = decode_steps(model, mx.array([tokens] * batch), n)
+        return run.times, run.picked
 
     def stream() -> float:
         responses = list(mlx_lm.stream_generate(model, tok, tokens, max_tokens=args.steps))

@@ -25,7 +25,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 CONFIGS = {
     "4-bit, reference BLAS (baseline)": ("quantized", {"MLXPIPE_BLAS": "off"}),
@@ -44,7 +43,7 @@ def measure(dtype: str, batch: int, steps: int, stream: bool) -> dict[str, float
     blas.setup()  # before mlx is imported, as mlxpipe.engine does: mlx binds its BLAS on import
     import mlx.core as mx
     import mlx_lm
-    from mlx_lm.models.cache import make_prompt_cache
+    from decode_steps import decode_steps
 
     from mlxpipe.engine import Engine
 
@@ -59,24 +58,9 @@ def measure(dtype: str, batch: int, steps: int, stream: bool) -> dict[str, float
     )
     prompt = mx.array([tokens] * batch)
 
-    def one_pass(n: int) -> tuple[float, list[float]]:
-        cache = make_prompt_cache(model)
-        start = time.perf_counter()
-        logits = model(prompt, cache=cache)
-        nxt = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
-        mx.eval(nxt)
-        prefill = time.perf_counter() - start
-        times = []
-        for _ in range(n):
-            start = time.perf_counter()
-            logits = model(nxt, cache=cache)
-            nxt = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
-            mx.eval(nxt)
-            times.append(time.perf_counter() - start)
-        return prefill, times
-
-    one_pass(2)  # warm-up
-    prefill, times = one_pass(steps)
+    decode_steps(model, prompt, 2)  # warm-up
+    run = decode_steps(model, prompt, steps)
+    prefill, times = run.prefill, run.times
     out = {
         "step_min_ms": min(times) * 1e3,
         "step_median_ms": statistics.median(times) * 1e3,
