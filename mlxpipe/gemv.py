@@ -49,12 +49,8 @@ def install(blas: Any) -> str:
         if not shim.mlxpipe_gemv_init(sgemm, sgemv):
             return "not used: the BLAS's functions could not be found"
         _open(path, ctypes.RTLD_GLOBAL)  # promoted now, so it comes before the BLAS in the global scope
-    except (
-        OSError,
-        subprocess.SubprocessError,
-        AttributeError,
-        RuntimeError,
-    ) as exc:  # RuntimeError: no home
+    except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError) as exc:
+        # RuntimeError: the cache folder is under the home folder, and there is none.
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return f"not built: {first}"
     return "one-row products go to sgemv"
