@@ -406,6 +406,11 @@ class Engine:
             return
         started = time.perf_counter()
         cached, cache = self.prefix_for(record, tokens)
+        processors = self.processors_for(record)
+        if cached and processors:
+            # stream_generate shows them only the tokens it was given; the batched path passes the cached
+            # prefix as all_tokens. Both must see the whole prompt (a repetition penalty looks back).
+            processors = [_after(tokens[:cached], p) for p in processors]
         stops = StopStrings(s.stop)
         text: list[str] = []
         responses = mlx_lm.stream_generate(
@@ -414,7 +419,7 @@ class Engine:
             tokens[cached:],
             max_tokens=s.max_tokens,
             sampler=self.sampler_for(record),
-            logits_processors=self.processors_for(record),
+            logits_processors=processors,
             prompt_cache=cache,
         )
         prompt_tps = 0.0
@@ -451,6 +456,16 @@ class Engine:
         """A :class:`Batch` of up to ``size`` records generating together."""
         blas.use_threads(size)
         return Batch(self, size)
+
+
+def _after(head: Sequence[int], processor: Processor) -> Processor:
+    """``processor`` seeing ``head`` before the tokens it is given."""
+    before = mx.array(list(head))
+
+    def process(tokens: Any, logits: Any) -> Any:
+        return processor(mx.concatenate([before, tokens]), logits)
+
+    return process
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

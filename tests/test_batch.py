@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+from typing import Any
 
 import pytest
 from conftest import run_cli, start_cli
@@ -261,3 +262,28 @@ def test_batched_run_interrupts_every_record_in_flight() -> None:
     assert {d.finish_reason for d in dones} == {"interrupted"}
     indices = [e.index for e in out]
     assert indices == sorted(indices)
+
+
+@pytest.mark.model
+def test_logits_processors_see_the_whole_prompt_when_a_prefix_is_reused(engine, monkeypatch) -> None:
+    # A repetition penalty looks back over the prompt: with the shared prefix's KV cache reused, the
+    # sequential path must still show it every prompt token, as the batched path does (all_tokens).
+    from dataclasses import replace
+
+    from mlxpipe.io import records_from_objects
+
+    seen: list[list[int]] = []
+
+    def record_tokens(tokens: Any, logits: Any) -> Any:
+        seen.append(tokens.tolist())
+        return logits
+
+    monkeypatch.setattr(engine, "processors_for", lambda record: [record_tokens])
+    (rec,) = records_from_objects([PARIS])
+    rec = replace(rec, settings=replace(rec.settings, system="You are terse. " * 8, max_tokens=2))
+    prompt = engine.encode(rec)
+    for _ in range(2):  # the second time, the system prompt's KV cache is reused
+        seen.clear()
+        assert [type(e).__name__ for e in engine.generate(rec)][-1] == "Done"
+        assert seen[0][: len(prompt)] == prompt
+    assert engine.prefix_for(rec, prompt)[0] > 16  # the prefix really was cached
