@@ -257,12 +257,18 @@ def test_two_ranks_put_a_malformed_record_in_place(tmp_path: Path, engine: Any) 
 @pytest.mark.parametrize("files", [[], ["-"]])
 def test_no_files_under_mlx_launch_is_a_usage_error(files: list[str]) -> None:
     out, err = _finish(_launch(["-n", "6", *files]), timeout=120)
+    _assert_usage_error(
+        out,
+        err,
+        "mlxpipe: error: under mlx.launch give the input as FILE arguments (every rank reads them): "
+        "stdin does not reach the ranks\n",
+    )
+
+
+def _assert_usage_error(out: bytes, err: str, message: str) -> None:
+    """No output, ``message`` once and no other mlxpipe line on stderr, and the job's exit status 2."""
     assert out == b""
     # Counted, not split into lines: mlx.launch's own warnings can land in the middle of a rank's line.
-    message = (
-        "mlxpipe: error: under mlx.launch give the input as FILE arguments (every rank reads them): "
-        "stdin does not reach the ranks\n"
-    )
     assert err.count(message) == 1 and err.count("mlxpipe") == 1
     assert "Node with rank 0 exited with code 2" in err
 
@@ -288,13 +294,12 @@ def test_ranks_with_different_input_files_refuse_to_start(tmp_path: Path) -> Non
     if not LAUNCH.exists():
         pytest.skip("mlx.launch is not installed next to this python")
     out, err = _launch_each(tmp_path, {0: "Say hello.\nSay goodbye.\n", 1: "Say goodbye.\nSay hello.\n"})
-    assert out == b""
-    message = (
+    _assert_usage_error(
+        out,
+        err,
         "mlxpipe: error: rank 1 reads different input from rank 0's: every host needs the same copy of "
-        "the FILE arguments\n"
+        "the FILE arguments\n",
     )
-    assert err.count(message) == 1 and err.count("mlxpipe") == 1
-    assert "Node with rank 0 exited with code 2" in err
 
 
 def test_a_rank_without_the_input_file_is_named(tmp_path: Path) -> None:
@@ -302,10 +307,7 @@ def test_a_rank_without_the_input_file_is_named(tmp_path: Path) -> None:
         pytest.skip("mlx.launch is not installed next to this python")
     (tmp_path / "host1").mkdir()  # rank 1's host has no in.txt
     out, err = _launch_each(tmp_path, {0: "Say hello.\n"})
-    assert out == b""
-    message = "mlxpipe: error: rank 1: cannot open in.txt: No such file or directory\n"
-    assert err.count(message) == 1 and err.count("mlxpipe") == 1
-    assert "Node with rank 0 exited with code 2" in err
+    _assert_usage_error(out, err, "mlxpipe: error: rank 1: cannot open in.txt: No such file or directory\n")
 
 
 GATHER = """

@@ -3,6 +3,7 @@ pseudo-terminal (Ctrl-C included), SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -13,7 +14,7 @@ import struct
 import subprocess
 import termios
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -182,8 +183,12 @@ def test_quiet_shows_no_progress_and_errors_keep_their_colour(tmp_path: Path) ->
     assert [json.loads(line)["event"] for line in out.splitlines()][-2:] == ["done", "error"]
 
 
-def interactive(args: list[str]) -> tuple[subprocess.Popen[bytes], int]:
-    """mlxpipe with no FILE, its stdin, stdout and stderr on a terminal it controls (so Ctrl-C works)."""
+@contextlib.contextmanager
+def interactive(args: list[str]) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """mlxpipe with no FILE, its stdin, stdout and stderr on a terminal it controls (so Ctrl-C works).
+
+    Yields the process and the terminal's master end; afterwards the process is gone and the terminal closed.
+    """
     master, slave = open_pty()
     p = subprocess.Popen(
         [*MLXPIPE, *args],
@@ -196,7 +201,12 @@ def interactive(args: list[str]) -> tuple[subprocess.Popen[bytes], int]:
         preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
     )
     os.close(slave)
-    return p, master
+    try:
+        yield p, master
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
 
 
 def lines_seen(n: int) -> Callable[[bytes], bool]:
@@ -206,8 +216,7 @@ def lines_seen(n: int) -> Callable[[bytes], bool]:
 
 @pytest.mark.model
 def test_interactive_each_line_answered_before_the_next_then_ctrl_c_mid_answer() -> None:
-    p, tty = interactive(["-n", "64"])
-    try:
+    with interactive(["-n", "64"]) as (p, tty):
         os.write(tty, b"What is the capital of France?\n")
         screen = read_until(tty, lines_seen(2))  # the echo of the typed line, then the answer
         assert b"Paris" in screen.split(b"\r\n")[1]
@@ -222,28 +231,19 @@ def test_interactive_each_line_answered_before_the_next_then_ctrl_c_mid_answer()
         os.write(tty, b"\x03")  # Ctrl-C, delivered by the terminal as SIGINT
         screen = read_until(tty, until_eof, screen)
         assert p.wait(timeout=60) == 130
-    finally:
-        if p.poll() is None:
-            p.kill()
-        os.close(tty)
     assert screen.endswith(b"\r\n")  # the interrupted answer still got its final newline
     assert b"Traceback" not in screen and b"tok/s" not in screen  # no progress when stdout is the terminal
 
 
 @pytest.mark.model
 def test_interactive_ctrl_c_while_waiting_for_a_line() -> None:
-    p, tty = interactive(["-n", "16"])
-    try:
+    with interactive(["-n", "16"]) as (p, tty):
         os.write(tty, b"What is the capital of France?\n")
         screen = read_until(tty, lines_seen(2))
         assert b"Paris" in screen
         os.write(tty, b"\x03")
         screen = read_until(tty, until_eof, screen)
         assert p.wait(timeout=60) == 130
-    finally:
-        if p.poll() is None:
-            p.kill()
-        os.close(tty)
     assert b"Traceback" not in screen and b"error" not in screen
 
 
