@@ -57,14 +57,16 @@ class Interrupts:
 
     _watching = False
 
-    @classmethod
-    def _watch(cls) -> None:
+    def _watch(self) -> None:
         """Count signals in a thread, so a second one exits even while mlx holds the main thread.
 
         Python runs signal handlers only between bytecodes: during a long prompt's prefill (one C call,
         minutes on a CPU) two signals would wait, and merge into one. The C-level handler writes each
         signal's number to the wakeup fd at once; mlx releases the GIL, so this thread sees it.
+        A signal can also land on another thread (any thread may take a process's signal): then the main
+        thread, blocked reading a terminal, is never woken to run the handler; this thread passes it on.
         """
+        cls = type(self)
         if cls._watching or threading.current_thread() is not threading.main_thread():
             return
         try:
@@ -74,15 +76,24 @@ class Interrupts:
         except (OSError, ValueError, AttributeError):  # a platform without it keeps the handler alone
             return
         cls._watching = True
+        main = threading.main_thread().ident
 
         def watch() -> None:
-            seen = 0
+            seen = passed_on = 0
             while data := os.read(r, 64):
                 for signum in data:
-                    if signum in (signal.SIGINT, signal.SIGTERM):
-                        seen += 1
-                        if seen >= 2:
-                            os._exit(128 + signum)
+                    if signum not in (signal.SIGINT, signal.SIGTERM):
+                        continue
+                    if passed_on:  # our own copy, sent to the main thread below
+                        passed_on -= 1
+                        continue
+                    seen += 1
+                    if seen >= 2:
+                        os._exit(128 + signum)
+                    time.sleep(0.05)  # the main thread's handler, if it got the signal, has run by now
+                    if self.reading and self.signum is None and main is not None:
+                        passed_on += 1
+                        signal.pthread_kill(main, signum)
 
         threading.Thread(target=watch, name="mlxpipe-signals", daemon=True).start()
 
@@ -106,7 +117,7 @@ class Interrupts:
             self.reading = main
             try:
                 record = next(it)
-            except StopIteration:
+            except (StopIteration, KeyboardInterrupt):  # a signal while waiting: the input ends here
                 return
             finally:
                 self.reading = False

@@ -4,6 +4,7 @@ pseudo-terminal (Ctrl-C included), SIGTERM."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
@@ -245,6 +246,21 @@ def test_interactive_ctrl_c_while_waiting_for_a_line() -> None:
         screen = read_until(tty, until_eof, screen)
         assert p.wait(timeout=60) == 130
     assert b"Traceback" not in screen and b"error" not in screen
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "tgkill"), reason="needs tgkill (glibc >= 2.30)")
+def test_ctrl_c_taken_by_another_thread_still_ends_the_wait_for_a_line() -> None:
+    # The kernel may hand a process's SIGINT to any thread that does not block it (mlx, OpenBLAS and the
+    # CUDA runtime start many). The main thread, blocked reading the terminal, must still wake up.
+    with interactive(["-n", "16", "--stats"]) as (p, tty):
+        os.write(tty, b"What is the capital of France?\n")
+        screen = read_until(tty, lines_seen(2))  # the echo of the typed line, then the answer
+        threads = sorted(int(t) for t in os.listdir(f"/proc/{p.pid}/task") if int(t) != p.pid)
+        assert threads and ctypes.CDLL(None).tgkill(p.pid, threads[-1], signal.SIGINT) == 0
+        screen = read_until(tty, until_eof, screen, timeout=60)
+        assert p.wait(timeout=60) == 130
+    assert b"Traceback" not in screen and b"1 records, 0 failed" in screen  # the ordinary way out, not _exit
 
 
 @pytest.mark.model
