@@ -51,7 +51,12 @@ Processor = Callable[[mx.array, mx.array], mx.array]
 MIN_PREFIX_TOKENS = 16  # shorter shared prefixes are not worth a cache entry
 PREFIX_CACHE_ENTRIES = 4  # distinct prefixes kept (system prompts / templates in one run); LRU
 _PROBES = ("\ue000", "\ue001")  # private-use characters: no prompt's own text tokenizes like them
-_PREFILL = 512  # prompt tokens per forward pass when scoring choices (bounds attention memory)
+# Prompt tokens per forward pass. mlx has no CPU attention kernel: its fallback scores every query-key pair
+# of a chunk, masked ones too, with a slow exp, so on a CPU a 2,048-token prompt is read 1.7x faster in
+# chunks of 256 than in mlx-lm's default 2,048 (bench/RESULTS.md). On a GPU mlx-lm's default stands.
+_CPU_PREFILL_STEP = 256
+_GPU_PREFILL_STEP = 2048
+_CHOICES_STEP = 512  # at most, when scoring --choices (bounds attention memory)
 
 
 class RecordError(ValueError):
@@ -84,6 +89,7 @@ class Engine:
         self.cpu_fast_paths: list[str] = []  # layers swapped by mlxpipe.cpu_fast (set by load)
         self.context_length = int(models.describe(source, folder).get("context_length") or 0)
         self.reuse_prefix = True
+        self.prefill_step = _CPU_PREFILL_STEP if _accelerator() is None else _GPU_PREFILL_STEP
         self._prefixes: OrderedDict[tuple[int, ...], list[Any]] = OrderedDict()
         self._probed: OrderedDict[Any, tuple[int, ...]] = OrderedDict()
         self._grammars: Grammars | None = None
@@ -284,7 +290,7 @@ class Engine:
         """
         if cache is None:
             cache, cached = make_prompt_cache(self.model), 0
-        self._prefill(cache, prompt[:-1], start=cached)
+        self._prefill(cache, prompt[:-1], start=cached, step=min(_CHOICES_STEP, self.prefill_step))
         scores: dict[str, float] = {}
         for label in labels:
             ids = list(self.tokenizer.encode(label, add_special_tokens=False))
@@ -361,15 +367,16 @@ class Engine:
             cache = make_prompt_cache(self.model)
             if not all(type(c) is KVCache for c in cache):
                 return 0, None  # sliding-window or recurrent caches cannot be shared by slicing
-            self._prefill(cache, key, step=2048)
+            self._prefill(cache, key)
             self._prefixes[key] = cache
             if len(self._prefixes) > PREFIX_CACHE_ENTRIES:
                 self._prefixes.popitem(last=False)
         self._prefixes.move_to_end(key)
         return n, [_copy_kv(c, n) for c in cache]
 
-    def _prefill(self, cache: list[Any], tokens: Sequence[int], start: int = 0, step: int = _PREFILL) -> None:
-        """Run ``tokens[start:]`` into ``cache``, ``step`` tokens per forward pass (bounds memory)."""
+    def _prefill(self, cache: list[Any], tokens: Sequence[int], start: int = 0, step: int = 0) -> None:
+        """Run ``tokens[start:]`` into ``cache``, ``step`` tokens (default :attr:`prefill_step`) per pass."""
+        step = step or self.prefill_step
         for at in range(start, len(tokens), step):
             self.model(mx.array(list(tokens[at : at + step]))[None], cache=cache)
             mx.eval([c.state for c in cache])
@@ -421,6 +428,7 @@ class Engine:
             sampler=self.sampler_for(record),
             logits_processors=processors,
             prompt_cache=cache,
+            prefill_step_size=self.prefill_step,
         )
         prompt_tps = 0.0
         try:
@@ -536,6 +544,7 @@ class Batch:
             stop_tokens=[[t] for t in sorted(self._eos)],
             completion_batch_size=size,
             prefill_batch_size=size,
+            prefill_step_size=engine.prefill_step,
         )
         self._slots: dict[int, _Slot] = {}
         self._ready: list[Chunk | Done | Error] = []  # events of records answered without decoding (choices)

@@ -287,3 +287,31 @@ def test_logits_processors_see_the_whole_prompt_when_a_prefix_is_reused(engine, 
         assert [type(e).__name__ for e in engine.generate(rec)][-1] == "Done"
         assert seen[0][: len(prompt)] == prompt
     assert engine.prefix_for(rec, prompt)[0] > 16  # the prefix really was cached
+
+
+@pytest.mark.model
+def test_prompts_are_read_in_chunks_of_the_backends_prefill_step(engine, monkeypatch) -> None:
+    # On a CPU, mlx's attention fallback scores every pair of a chunk, masked ones too: 256-token chunks
+    # read long prompts faster than mlx-lm's 2048 (bench/prefill.py). Both paths get the same step.
+    import mlx.core as mx
+
+    from mlxpipe import engine as engine_module
+    from mlxpipe.io import records_from_objects
+
+    assert engine.prefill_step == (256 if mx.default_device() == mx.cpu else 2048)
+    seen: dict[str, Any] = {}
+    real = engine_module.mlx_lm.stream_generate
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module.mlx_lm, "stream_generate", spy)
+    (rec,) = records_from_objects([PARIS], Settings(max_tokens=1))
+    assert [type(e).__name__ for e in engine.generate(rec)][-1] == "Done"
+    assert seen["prefill_step_size"] == engine.prefill_step
+    batch = engine.batch(2)
+    try:
+        assert batch._gen.prefill_step_size == engine.prefill_step
+    finally:
+        batch.close()
