@@ -140,8 +140,9 @@ class Engine:
         info["dtype"] = self.dtype
         info["dtype_reason"] = self.dtype_reason
         info["blas"] = blas.setup().info()
-        if blas.threads() is not None:
-            info["blas"]["threads"] = blas.threads()  # now: 1 while one stream decodes, else the default
+        threads = blas.threads()
+        if threads is not None:
+            info["blas"]["threads"] = threads  # now: 1 while one stream decodes, else the default
         info["cpu_fast_paths"] = self.cpu_fast_paths
         return info
 
@@ -417,7 +418,7 @@ class Engine:
         if cached and processors:
             # stream_generate shows them only the tokens it was given; the batched path passes the cached
             # prefix as all_tokens. Both must see the whole prompt (a repetition penalty looks back).
-            processors = [_after(tokens[:cached], p) for p in processors]
+            processors = [_after(tokens[:cached], processors)]
         stops = StopStrings(s.stop)
         text: list[str] = []
         responses = mlx_lm.stream_generate(
@@ -466,12 +467,15 @@ class Engine:
         return Batch(self, size)
 
 
-def _after(head: Sequence[int], processor: Processor) -> Processor:
-    """``processor`` seeing ``head`` before the tokens it is given."""
+def _after(head: Sequence[int], processors: list[Processor]) -> Processor:
+    """One processor running ``processors`` in order, each seeing ``head`` before the tokens it is given."""
     before = mx.array(list(head))
 
     def process(tokens: Any, logits: Any) -> Any:
-        return processor(mx.concatenate([before, tokens]), logits)
+        tokens = mx.concatenate([before, tokens])  # once a step, whatever the number of processors
+        for processor in processors:
+            logits = processor(tokens, logits)
+        return logits
 
     return process
 
