@@ -113,15 +113,23 @@ class Interrupts:
         # Only the main thread can be interrupted this way; --batch reads on a helper thread instead
         # and the pipeline polls the flag while it waits.
         main = threading.current_thread() is threading.main_thread()
-        while self.signum is None:  # once interrupted, never block on a read (a terminal waits forever)
-            self.reading = main
+        while True:
+            record: io.Record | io.BadRecord | None = None
             try:
-                record = next(it)
+                try:
+                    # `reading` goes up before the check: a signal that lands between the two (its handler
+                    # runs at any bytecode) then raises, instead of leaving the read below blocked forever.
+                    # Once interrupted, never block on a read: a terminal waits forever.
+                    self.reading = main
+                    if self.signum is None:
+                        record = next(it)
+                finally:
+                    self.reading = False
             except (StopIteration, KeyboardInterrupt):  # a signal while waiting: the input ends here
+                pass
+            if record is None:
                 return
-            finally:
-                self.reading = False
-            yield record
+            yield record  # read just before a signal: it still runs, and ends as interrupted
 
 
 @dataclass

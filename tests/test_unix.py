@@ -13,15 +13,20 @@ import select
 import signal
 import struct
 import subprocess
+import sys
 import termios
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import pytest
 from conftest import MLXPIPE, REPO, cli_env, run_cli, start_cli
 
 from mlxpipe import __version__
+from mlxpipe.cli import Interrupts
+from mlxpipe.io import BadRecord
 from mlxpipe.term import Console, count_records
 
 RED_ERROR = b"mlxpipe: \x1b[1;31merror\x1b[0m"
@@ -66,6 +71,51 @@ def spawn_on_pty(
 
 
 # --- fast: no model ---------------------------------------------------------------------------------
+
+
+def test_a_signal_at_any_moment_of_the_wait_for_input_ends_it_with_no_read_and_no_record_lost() -> None:
+    # Python runs a signal's handler between any two bytecodes. Run the real handler at each line of
+    # Interrupts.guard in turn (a line tracer raises what it raises, as a handler would): after the signal no
+    # record may be read (a terminal would block forever: seen on an H200 under load), and every record read
+    # must still be handed on.
+    guard = Interrupts.guard.__code__
+
+    def run(at: int) -> tuple[list[int], list[int], bool, int]:
+        interrupts = Interrupts()
+        read: list[int] = []
+        read_after_signal = False
+        lines = 0
+
+        def records() -> Iterator[BadRecord]:
+            nonlocal read_after_signal
+            for i in range(1, 4):
+                read_after_signal |= interrupts.signum is not None
+                read.append(i)
+                yield BadRecord(i, "-", i, None, "bad")
+
+        def trace(frame: FrameType, event: str, _arg: object) -> Any:
+            nonlocal lines
+            if frame.f_code is not guard:
+                return None
+            if event == "line":
+                lines += 1
+                if lines == at:
+                    interrupts._handle(signal.SIGINT, frame)
+            return trace
+
+        sys.settrace(trace)
+        try:
+            handed_on = [record.index for record in interrupts.guard(records())]
+        finally:
+            sys.settrace(None)
+        return read, handed_on, read_after_signal, lines
+
+    read, handed_on, _, lines = run(at=0)
+    assert read == handed_on == [1, 2, 3]
+    for at in range(1, lines + 1):
+        read, handed_on, read_after_signal, _ = run(at)
+        assert not read_after_signal, f"a record was read after the signal at line event {at}"
+        assert handed_on == read, f"a record read was not handed on (signal at line event {at})"
 
 
 def test_version_and_python_dash_m() -> None:
