@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import re
+import select
 import signal
 import sys
 import threading
@@ -63,8 +64,10 @@ class Interrupts:
         Python runs signal handlers only between bytecodes: during a long prompt's prefill (one C call,
         minutes on a CPU) two signals would wait, and merge into one. The C-level handler writes each
         signal's number to the wakeup fd at once; mlx releases the GIL, so this thread sees it.
-        A signal can also land on another thread (any thread may take a process's signal): then the main
-        thread, blocked reading a terminal, is never woken to run the handler; this thread passes it on.
+        A signal can also land on another thread (any thread may take a process's signal). CPython 3.12
+        then runs its handler only when the main thread next checks for signals, which a thread blocked
+        reading a terminal never does (seen on an H200): until the handler has run, this thread nudges the
+        main thread, while it waits for input, with a signal of its own whose interrupted read makes it check.
         """
         cls = type(self)
         if cls._watching or threading.current_thread() is not threading.main_thread():
@@ -77,23 +80,26 @@ class Interrupts:
             return
         cls._watching = True
         main = threading.main_thread().ident
+        nudge = getattr(signal, "SIGWINCH", None)  # ignored by default, so ours to catch
+        if nudge is not None:
+            signal.signal(nudge, lambda _signum, _frame: None)
 
         def watch() -> None:
-            seen = passed_on = 0
-            while data := os.read(r, 64):
+            seen = 0
+            while True:
+                unhandled = seen == 1 and self.signum is None
+                ready, _, _ = select.select([r], [], [], 0.05 if unhandled else None)
+                if not ready:
+                    if self.reading and self.signum is None and nudge is not None and main is not None:
+                        signal.pthread_kill(main, nudge)
+                    continue
+                data = os.read(r, 64)
+                if not data:
+                    return
                 for signum in data:
-                    if signum not in (signal.SIGINT, signal.SIGTERM):
-                        continue
-                    if passed_on:  # our own copy, sent to the main thread below
-                        passed_on -= 1
-                        continue
-                    seen += 1
+                    seen += signum in (signal.SIGINT, signal.SIGTERM)
                     if seen >= 2:
                         os._exit(128 + signum)
-                    time.sleep(0.05)  # the main thread's handler, if it got the signal, has run by now
-                    if self.reading and self.signum is None and main is not None:
-                        passed_on += 1
-                        signal.pthread_kill(main, signum)
 
         threading.Thread(target=watch, name="mlxpipe-signals", daemon=True).start()
 
