@@ -9,8 +9,8 @@ plain layers round by round (the settings below) so that other load on the CPU f
   evaluated (min and median over ``--steps`` steps per round, over all rounds);
 - ``mlx_lm.stream_generate`` of ``--steps`` tokens (B=1), its decode rate (best of the rounds).
 
-Settings: plain (mx.fast), rms_norm swapped, rope swapped, both; each one's speed-up over plain, and whether
-its greedy tokens equal plain's.
+Settings: plain (mx.fast), rms_norm, rope or swiglu swapped, all three; each one's speed-up over plain, and
+whether its greedy tokens equal plain's.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> int:
         responses = list(mlx_lm.stream_generate(model, tok, tokens, max_tokens=args.steps))
         return float(responses[-1].generation_tps)
 
-    settings = {"plain": (), "rms_norm": ("rms_norm",), "rope": ("rope",), "both": cpu_fast.KINDS}
+    settings = {"plain": (), **{kind: (kind,) for kind in cpu_fast.KINDS}, "all": cpu_fast.KINDS}
     batches = [int(b) for b in args.batch.split(",")]
     times: dict[tuple[str, int], list[float]] = {}
     picks: dict[tuple[str, int], list[int]] = {}

@@ -32,6 +32,7 @@ from mlx.nn.layers.base import Module
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator, TextStateMachine
+from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -40,6 +41,9 @@ from mlx_lm.utils import dequantize_model
 from . import cpu_fast, models
 from .events import Chunk, Done, Error
 from .io import Record
+
+# mlx-lm's Llama MLP (SmolLM2's, among others) computes down_proj(swiglu(gate_proj(x), up_proj(x))).
+cpu_fast.SWIGLU_MLPS.add(llama.MLP)
 
 if TYPE_CHECKING:
     from .constrain import Constraint, Grammars, Matcher
@@ -128,7 +132,8 @@ class Engine:
             raise models.ModelError(f"cannot load model {source.spec!r}: {first}") from None
         used, reason = choose_dtype(model, dtype, batch)
         engine = cls(apply_dtype(model, used), tokenizer, source, folder, used, reason)
-        # mx.fast's norms and RoPE have no CPU kernels: on a CPU, compiled equivalents (bench/cpu_fast.py).
+        # mx.fast's norms and RoPE have no CPU kernels, mlx's CPU exp is slow: on a CPU, compiled stand-ins
+        # (bench/cpu_fast.py).
         if _accelerator() is None and cpu_fast.enabled():
             engine.cpu_fast_paths = cpu_fast.apply(engine.model)
         return engine

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import cli_env, run_cli
 
@@ -58,6 +59,52 @@ def test_rope_matches_mx_fast(dtype: Any, traditional: bool, dims: int, width: i
             plain = nn.RoPE(dims, traditional=traditional, base=base, scale=scale)
             fast = cpu_fast.FastRoPE(dims, traditional=traditional, base=base, scale=scale)
             assert _close(fast(x, offset), plain(x, offset), dtype), (tokens, base, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_is_within_float32_rounding_of_silu(dtype: Any) -> None:
+    # Not bit for bit (a rational tanh instead of mlx's exp): compared with float64 maths, next to mlx's own.
+    gate = mx.concatenate(
+        [mx.linspace(-100, 100, 20001), mx.array([0.0, -0.0, 1e-30, -88.0, 88.0, 7.9, -7.9])]
+    )
+    x = mx.random.normal(gate.shape, key=mx.random.key(3))
+    gate, x = gate.astype(dtype), x.astype(dtype)
+    g, u = (
+        np.array(gate.astype(mx.float32), dtype=np.float64),
+        np.array(x.astype(mx.float32), dtype=np.float64),
+    )
+    exact = g / (1 + np.exp(-g)) * u
+    scale = np.abs(u) * np.maximum(np.abs(g), 1)  # an error relative to the larger of the two factors
+    fast = np.array(cpu_fast.swiglu(gate, x).astype(mx.float32), dtype=np.float64)
+    plain = np.array((nn.silu(gate) * x).astype(mx.float32), dtype=np.float64)
+    plain_err = (np.abs(plain - exact) / scale).max()
+    assert (np.abs(fast - exact) / scale).max() <= max(3 * plain_err, 5e-7)
+    assert cpu_fast.swiglu(gate, x).dtype == dtype
+
+
+class _MLP(nn.Module):
+    """A stand-in for mlx-lm's Llama MLP: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_apply_gives_registered_mlps_the_fast_swiglu_and_reverts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_fast, "SWIGLU_MLPS", {_MLP})
+    model = nn.Sequential(_MLP(), nn.RMSNorm(8))
+    x = mx.random.normal((2, 3, 8), key=mx.random.key(4))
+    plain = model(x)
+    assert cpu_fast.apply(model, ["swiglu"]) == ["swiglu"]
+    assert isinstance(model.layers[0], _MLP) and type(model.layers[0]) is not _MLP
+    assert type(model.layers[1]) is nn.RMSNorm
+    assert mx.allclose(model(x), plain, rtol=1e-5, atol=1e-6).item()
+    assert cpu_fast.apply(model, ["swiglu"]) == []  # already swapped
+    cpu_fast.revert(model)
+    assert type(model.layers[0]) is _MLP and mx.array_equal(model(x), plain).item()
 
 
 def test_rope_is_traced_once_for_every_position() -> None:
@@ -117,7 +164,8 @@ def test_logits_agree_with_and_without_the_swaps(engine: Any) -> None:
         plain = engine.model(prompt)
     finally:
         cpu_fast.apply(engine.model, engine.cpu_fast_paths)
-    # Measured bit for bit equal on this CPU; allow float32 rounding over 30 layers.
+    # RMSNorm and RoPE are bit for bit equal on this CPU, the SwiGLU within float32 rounding: allow that
+    # over 30 layers.
     assert mx.allclose(fast, plain, rtol=1e-4, atol=1e-4).item()
     assert mx.argmax(fast[0, -1]).item() == mx.argmax(plain[0, -1]).item()
 
@@ -133,7 +181,7 @@ def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
 def test_model_info_reports_the_fast_paths() -> None:
     info = json.loads(run_cli(["--model-info"]).stdout)
     on_cpu = info["device"].startswith("Device(cpu")
-    assert info["cpu_fast_paths"] == (["rms_norm", "rope"] if on_cpu else [])
+    assert info["cpu_fast_paths"] == (["rms_norm", "rope", "swiglu"] if on_cpu else [])
     off = json.loads(run_cli(["--model-info"], env=cli_env(**{cpu_fast.ENV: "off"})).stdout)
     assert off["cpu_fast_paths"] == []
 
