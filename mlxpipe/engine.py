@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model
 
-from . import cpu_fast, models
+from . import cpu_fast, gemv, models
 from .events import Chunk, Done, Error
 from .io import Record
 
@@ -91,6 +92,7 @@ class Engine:
         self.dtype = dtype
         self.dtype_reason = dtype_reason
         self.cpu_fast_paths: list[str] = []  # layers swapped by mlxpipe.cpu_fast (set by load)
+        self.quantized_rows = 0  # weight matrices whose one-row products read quantized bytes (set by load)
         self.context_length = int(models.describe(source, folder).get("context_length") or 0)
         self.reuse_prefix = True
         self.prefill_step = _CPU_PREFILL_STEP if _accelerator() is None else _GPU_PREFILL_STEP
@@ -131,7 +133,11 @@ class Engine:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise models.ModelError(f"cannot load model {source.spec!r}: {first}") from None
         used, reason = choose_dtype(model, dtype, batch)
+        # Float32 on a CPU computes from the dequantized weights; one-row products can still read the
+        # quantized ones (mlxpipe.gemv), which the dequantizing would otherwise drop.
+        quantized = _quantized_forms(model) if used == "float32" and gemv.quantized_available() else {}
         engine = cls(apply_dtype(model, used), tokenizer, source, folder, used, reason)
+        engine.quantized_rows = _attach_quantized(engine, quantized)
         # mx.fast's norms and RoPE have no CPU kernels, mlx's CPU exp is slow: on a CPU, compiled stand-ins
         # (bench/cpu_fast.py).
         if _accelerator() is None and cpu_fast.enabled():
@@ -149,6 +155,7 @@ class Engine:
         if threads is not None:
             info["blas"]["threads"] = threads  # now: 1 while one stream decodes, else the default
         info["cpu_fast_paths"] = self.cpu_fast_paths
+        info["quantized_rows"] = self.quantized_rows
         return info
 
     # -----------------------------------------------------------------------------------------
@@ -688,6 +695,31 @@ def _accelerator() -> str | None:
     return "cuda" if cuda is not None and cuda.is_available() else "gpu"
 
 
+def _quantized_forms(model: Any) -> dict[str, tuple[Any, ...]]:
+    """Each affine-quantized layer's (packed weight, float32 scales, float32 biases, bits, group size)."""
+    forms = {}
+    for name, m in model.named_modules():
+        if isinstance(m, _QUANTIZED) and getattr(m, "mode", "affine") == "affine" and "biases" in m:
+            scales, biases = m.scales.astype(mx.float32), m["biases"].astype(mx.float32)
+            forms[name] = (m.weight, scales, biases, m.bits, m.group_size)
+    mx.eval([f[:3] for f in forms.values()])
+    return forms
+
+
+def _attach_quantized(engine: Engine, forms: dict[str, tuple[Any, ...]]) -> int:
+    """Attach each dequantized float32 matrix of ``engine`` to its quantized form; how many were."""
+    modules = dict(engine.model.named_modules())
+    attached = []
+    for name, (q, scales, biases, bits, group_size) in forms.items():
+        weight = getattr(modules.get(name), "weight", None)
+        usable = weight is not None and weight.dtype == mx.float32 and weight.ndim == 2
+        if usable and gemv.attach(weight, q, scales, biases, bits, group_size):
+            attached.append(weight)
+    if attached:  # registered for as long as the engine lives
+        weakref.finalize(engine, gemv.detach, attached)
+    return len(attached)
+
+
 def _is_quantized(model: Any) -> bool:
     return any(isinstance(m, _QUANTIZED) for _, m in model.named_modules())
 
@@ -786,6 +818,13 @@ def apply_dtype(model: Any, dtype: str) -> Any:
             mx.eval(model.parameters())
         return model
     if _is_quantized(model):
+        if dtype == "float32":  # dequantized in float32: scale * q + bias as the file has them, not rounded
+            for (
+                _,
+                m,
+            ) in model.named_modules():  # to the scales' float16 (the quantized one-row products agree)
+                if isinstance(m, _QUANTIZED):
+                    m.update({k: m[k].astype(mx.float32) for k in ("scales", "biases") if k in m})
         model = dequantize_model(model)
     model.set_dtype(_FLOATS[dtype])
     mx.eval(model.parameters())

@@ -5,7 +5,10 @@ multiplies by each weight matrix. OpenBLAS's ``sgemm`` is 2.5x slower at that sh
 (bench/RESULTS.md). :func:`install` compiles ``gemv.c`` once with the system's C compiler into the cache
 folder, hands it the BLAS's own ``cblas_sgemm`` and ``cblas_sgemv``, and makes it global before the BLAS,
 so that libmlx's ``cblas_sgemm`` binds to it. Without a C compiler nothing changes but the speed.
-Called by :mod:`mlxpipe.blas` only, before mlx is imported; imports nothing from mlx.
+Installed by :mod:`mlxpipe.blas`, before mlx is imported; imports nothing from mlx.
+
+A float32 weight matrix that was dequantized from mlx's 4- or 8-bit form can be :func:`attach`-ed to that
+form (by the engine): one-row products by it then read the quantized bytes, on machines with AVX-512.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from typing import Any
 
 from .models import cache_dir
 
-__all__ = ["ENV", "install"]
+__all__ = ["ENV", "attach", "detach", "install", "quantized_available", "quantized_calls"]
 
 ENV = "MLXPIPE_GEMV"
 _OFF = {"off", "0", "no", "false", "none"}
 _SOURCE = Path(__file__).with_name("gemv.c")
+_shim: Any = None  # the library in front of the BLAS, once installed
 
 
 def install(blas: Any) -> str:
@@ -48,7 +52,8 @@ def install(blas: Any) -> str:
         shim = _open(path, ctypes.RTLD_LOCAL)
         if not shim.mlxpipe_gemv_init(sgemm, sgemv):
             return "not used: the BLAS's functions could not be found"
-        _open(path, ctypes.RTLD_GLOBAL)  # promoted now, so it comes before the BLAS in the global scope
+        global _shim
+        _shim = _open(path, ctypes.RTLD_GLOBAL)  # promoted now: it comes before the BLAS in the global scope
     except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError) as exc:
         # RuntimeError: the cache folder is under the home folder, and there is none.
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -84,3 +89,70 @@ def _built() -> str:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return str(target)
+
+
+# ---- quantized one-row products ----------------------------------------------------------------------
+
+# Registered matrices, by the float32 matrix's address: the arrays the C side points into, kept alive here
+# for as long as they are registered (a freed float32 matrix's memory could be reused by another one).
+_attached: dict[int, tuple[Any, ...]] = {}
+
+
+def quantized_available() -> bool:
+    """Whether :func:`attach` can work here: the library is installed and the CPU has its kernels."""
+    return _shim is not None and bool(_shim.mlxpipe_qgemv_available())
+
+
+def _address(array: Any) -> int:
+    import numpy as np  # a view, not a copy: the address of the array's own memory
+
+    return int(np.asarray(memoryview(array)).ctypes.data)
+
+
+def attach(weight: Any, q: Any, scales: Any, biases: Any, bits: int, group_size: int) -> bool:
+    """Let one-row products by ``weight`` (float32, n x k, row-major) read ``q`` instead.
+
+    ``q``, ``scales``, ``biases``, ``bits`` and ``group_size``: the quantized form ``weight`` was
+    dequantized from (mlx's affine layout: ``weight = scales * q + biases`` per group of ``group_size``).
+    Arrays with the buffer protocol (mlx's, numpy's), evaluated; ``weight`` must be the very array the
+    model multiplies by (its address is the key), the others are copied. False, and nothing registered,
+    when the library, the CPU or the layout does not allow it.
+    """
+    import numpy as np
+
+    if not quantized_available():
+        return False
+    n, k = weight.shape
+    key = _address(weight)
+    # Copies that this module owns, for the C side to read: a first version pointed into the mlx arrays
+    # themselves (held here all the same) and crashed under --batch on memory found unmapped; the cause
+    # was not found. The float32 matrix is only ever compared by address, never read.
+    q = np.array(memoryview(q), copy=True, order="C")
+    scales, biases = (np.array(memoryview(a), dtype=np.float32, order="C") for a in (scales, biases))
+    p = ctypes.c_void_p
+    ok = _shim.mlxpipe_qgemv_register(
+        p(key), n, k, bits, group_size, p(q.ctypes.data), p(scales.ctypes.data), p(biases.ctypes.data)
+    )
+    if ok:
+        _attached[key] = (weight, q, scales, biases, bits, group_size)
+    return bool(ok)
+
+
+def detach(weights: Any) -> None:
+    """Forget ``weights`` (attached float32 matrices): their one-row products go back to the BLAS."""
+    for w in weights:
+        _attached.pop(_address(w), None)
+    if _shim is None:
+        return
+    _shim.mlxpipe_qgemv_clear()
+    for entry in list(_attached.values()):
+        if not attach(*entry):
+            _attached.pop(_address(entry[0]), None)
+
+
+def quantized_calls() -> int:
+    """One-row products computed from quantized weights so far in this process."""
+    if _shim is None:
+        return 0
+    _shim.mlxpipe_qgemv_calls.restype = ctypes.c_long
+    return int(_shim.mlxpipe_qgemv_calls())

@@ -121,3 +121,95 @@ def test_a_library_without_sgemv_is_left_alone() -> None:
         cblas_sgemm = None
 
     assert gemv.install(NotABlas()).startswith("not used")
+
+
+# ---- quantized one-row products ------------------------------------------------------------------------
+
+
+def _quantized(rng: Any, n: int, k: int, bits: int, group: int = 32) -> tuple[np.ndarray, ...]:
+    """A random matrix in mlx's affine layout: (float32 weight, packed bytes, scales, biases)."""
+    q = rng.integers(0, 2**bits, size=(n, k), dtype=np.uint8)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8) if bits == 4 else q.copy()  # low bits first
+    scales = (rng.standard_normal((n, k // group)) * 0.02).astype(np.float32)
+    biases = (rng.standard_normal((n, k // group)) * 0.02).astype(np.float32)
+    weight = (
+        (q.reshape(n, -1, group) * scales[..., None] + biases[..., None]).reshape(n, k).astype(np.float32)
+    )
+    return weight, packed, scales, biases
+
+
+def test_quantized_rows_match_numpy_and_fall_back_when_they_cannot(openblas: Any) -> None:
+    shim = ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL)  # a copy of its own: its table starts empty
+    if not shim.mlxpipe_qgemv_available():
+        pytest.skip("the quantized kernels need AVX-512")
+    assert shim.mlxpipe_gemv_init(
+        ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
+    )
+    shim.mlxpipe_qgemv_calls.restype = ctypes.c_long
+    ptr = ctypes.c_void_p
+    rng = np.random.default_rng(11)
+    for n, k, bits, group in [(1536, 576, 4, 32), (576, 1536, 4, 64), (4096, 576, 8, 32), (96, 512, 4, 128)]:
+        w, packed, scales, biases = _quantized(rng, n, k, bits, group)
+        assert shim.mlxpipe_qgemv_register(
+            ptr(w.ctypes.data), n, k, bits, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
+            ptr(biases.ctypes.data),
+        )  # fmt: skip
+        x = rng.standard_normal((3, k)).astype(np.float32)  # row 1 as a row; column 1 as a strided column
+        want = (x[1].astype(np.float64) @ w.T.astype(np.float64)) * 0.5
+        for ta, a, lda in [(NO_TRANS, x[1:2], k), (TRANS, np.array(x.T, order="C"), 3)]:
+            start = x[1:2].ctypes.data if ta == NO_TRANS else a.ctypes.data + 4  # column 1 of the k x 3 copy
+            c = np.zeros(n, np.float32)
+            before = shim.mlxpipe_qgemv_calls()
+            shim.cblas_sgemm(
+                ROW_MAJOR, ta, TRANS, 1, n, k, ctypes.c_float(0.5), ptr(start), lda, ptr(w.ctypes.data), k,
+                ctypes.c_float(0.0), ptr(c.ctypes.data), n,
+            )  # fmt: skip
+            assert shim.mlxpipe_qgemv_calls() == before + 1
+            np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        # Not this matrix's shape, or an accumulating product: the BLAS computes it from the float32 copy.
+        c = np.ones(n, np.float32)
+        before = shim.mlxpipe_qgemv_calls()
+        shim.cblas_sgemm(
+            ROW_MAJOR, NO_TRANS, TRANS, 1, n, k, ctypes.c_float(1.0), ptr(x[1:2].ctypes.data), k,
+            ptr(w.ctypes.data), k, ctypes.c_float(1.0), ptr(c.ctypes.data), n,
+        )  # fmt: skip
+        np.testing.assert_allclose(c, 2 * want + 1, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        assert shim.mlxpipe_qgemv_calls() == before
+    shim.mlxpipe_qgemv_clear()
+    assert not shim.mlxpipe_qgemv_register(ptr(1), 10, 48, 4, 32, ptr(1), ptr(1), ptr(1))  # 48 % 32 != 0
+    assert not shim.mlxpipe_qgemv_register(ptr(1), 10, 64, 3, 32, ptr(1), ptr(1), ptr(1))  # 3 bits: no kernel
+
+
+@pytest.mark.model
+def test_the_embedded_models_one_row_products_read_its_quantized_weights(engine: Any) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if not engine.quantized_rows:
+        assert engine.dtype != "float32" or not gemv.quantized_available()
+        pytest.skip("no quantized one-row products here (a GPU, or a CPU without AVX-512)")
+    assert engine.quantized_rows == 211  # 30 layers x 7 matrices, and the tied embedding as the output layer
+    tokens = mx.array(
+        [engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")]
+    )
+
+    def last_logits() -> Any:  # the prompt, then its last token alone: a one-row product per matrix
+        cache = make_prompt_cache(engine.model)
+        mx.eval(engine.model(tokens[:, :-1], cache=cache))
+        return engine.model(tokens[:, -1:], cache=cache)[0, -1]
+
+    before = gemv.quantized_calls()
+    quantized = last_logits()
+    mx.eval(quantized)
+    assert gemv.quantized_calls() - before == 211
+    entries = list(gemv._attached.values())
+    gemv.detach([e[0] for e in entries])
+    try:
+        plain = last_logits()
+        mx.eval(plain)
+    finally:
+        for entry in entries:
+            gemv.attach(*entry)
+    assert gemv.quantized_calls() - before == 211  # none while detached
+    assert mx.allclose(quantized, plain, rtol=1e-4, atol=1e-4).item()
+    assert mx.argmax(quantized).item() == mx.argmax(plain).item()
