@@ -80,35 +80,38 @@ static const qmat *lookup(const float *w, int n, int k) {
 }
 
 #ifdef X86_AVX512
-/* y[r] = sum over groups g of scale[r,g] * sum_j q[r,j] x[j] + bias[r,g] * sum_j x[j], with AVX-512 (the
+/* y[r] = sum_j W[r,j] x[j], W[r,j] = scale[r,g] * q[r,j] + bias[r,g] for j in group g; with AVX-512 (the
  * plain C version the compiler made was slower than sgemv on float32: only AVX-512 machines register).
- * Two accumulators, alternate groups: the scale's multiply-add of one group need not wait for the last. */
+ * Accumulators alternate between groups, so that one group's multiply-adds need not wait for the last's. */
+/* 4 bits: a group has 16 possible weights, scale * q + bias; they are computed once and looked up with
+ * vpermps, which reads just the low 4 bits of each index: the byte's low nibble as it is, its high one
+ * shifted down. So the products use the very float32 weights that dequantizing gives. */
 __attribute__((target("avx512f,avx512bw,fma"))) static void rows4_avx512(const qmat *m, const float *xe,
-                                                                          const float *xo, const float *xsum,
-                                                                          int r0, int r1, float *y) {
+                                                                          const float *xo, int r0, int r1,
+                                                                          float *y) {
     int groups = m->k / m->group, half = m->group / 2;
-    const __m512i nibble = _mm512_set1_epi32(15);
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int r = r0; r < r1; r++) {
         const uint8_t *q = m->q + (long)r * (m->k / 2);
         const float *s = m->scales + (long)r * groups, *b = m->biases + (long)r * groups;
-        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        float bias = 0;
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int g = 0; g < groups; g++) {
             const uint8_t *qg = q + g * half;
             const float *e = xe + g * half, *o = xo + g * half;
-            __m512 v = _mm512_setzero_ps();
+            __m512 *a = acc + 2 * (g & 1);
+            __m512 values = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[g]), _mm512_set1_ps(b[g]));
             for (int j = 0; j < half; j += 16) {
                 __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + j)));
-                v = _mm512_fmadd_ps(_mm512_loadu_ps(e + j), _mm512_cvtepi32_ps(_mm512_and_si512(w, nibble)), v);
-                v = _mm512_fmadd_ps(_mm512_loadu_ps(o + j), _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4)), v);
+                a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(e + j), _mm512_permutexvar_ps(w, values), a[0]);
+                a[1] = _mm512_fmadd_ps(_mm512_loadu_ps(o + j), _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), values),
+                                       a[1]);
             }
-            acc[g & 1] = _mm512_fmadd_ps(v, _mm512_set1_ps(s[g]), acc[g & 1]);
-            bias += b[g] * xsum[g];
         }
-        y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + bias;
+        y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
     }
 }
 
+/* 8 bits: 256 possible weights, too many to look up; scale * (q . x) + bias * sum(x) per group instead. */
 __attribute__((target("avx512f,avx512bw,fma"))) static void rows8_avx512(const qmat *m, const float *x,
                                                                           const float *xsum, int r0, int r1,
                                                                           float *y) {
@@ -158,23 +161,23 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
     }
     float *x = scratch, *xe = x + k, *xo = xe + k / 2, *xsum = xo + k / 2;
     for (int j = 0; j < k; j++) x[j] = a[(long)j * inc_a];
-    for (int g = 0; g < groups; g++) {
-        float t = 0;
-        for (int j = 0; j < m->group; j++) t += x[g * m->group + j];
-        xsum[g] = t;
-    }
 #ifdef X86_AVX512
     if (m->bits == 4) {
         for (int j = 0; j < k / 2; j++) { /* a byte holds values 2j (low nibble) and 2j + 1 (high) */
             xe[j] = x[2 * j];
             xo[j] = x[2 * j + 1];
         }
-        rows4_avx512(m, xe, xo, xsum, 0, m->n, c);
+        rows4_avx512(m, xe, xo, 0, m->n, c);
     } else {
+        for (int g = 0; g < groups; g++) {
+            float t = 0;
+            for (int j = 0; j < m->group; j++) t += x[g * m->group + j];
+            xsum[g] = t;
+        }
         rows8_avx512(m, x, xsum, 0, m->n, c);
     }
 #else
-    (void)xe, (void)xo;
+    (void)xe, (void)xo, (void)xsum;
     return 0;
 #endif
     if (alpha != 1.0f)
