@@ -818,11 +818,10 @@ def apply_dtype(model: Any, dtype: str) -> Any:
             mx.eval(model.parameters())
         return model
     if _is_quantized(model):
-        if dtype == "float32":  # dequantized in float32: scale * q + bias as the file has them, not rounded
-            for (
-                _,
-                m,
-            ) in model.named_modules():  # to the scales' float16 (the quantized one-row products agree)
+        if dtype == "float32":
+            # Dequantized in float32: scale * q + bias as the file has them, not rounded to the scales'
+            # float16 (and so the same weights as the quantized one-row products of mlxpipe.gemv).
+            for _, m in model.named_modules():
                 if isinstance(m, _QUANTIZED):
                     m.update({k: m[k].astype(mx.float32) for k in ("scales", "biases") if k in m})
         model = dequantize_model(model)

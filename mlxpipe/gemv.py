@@ -93,8 +93,8 @@ def _built() -> str:
 
 # ---- quantized one-row products ----------------------------------------------------------------------
 
-# Registered matrices, by the float32 matrix's address: the arrays the C side points into, kept alive here
-# for as long as they are registered (a freed float32 matrix's memory could be reused by another one).
+# Registered matrices, by the float32 matrix's address: that matrix (kept alive while registered, so that its
+# address cannot pass to another array) and the copies the C side reads.
 _attached: dict[int, tuple[Any, ...]] = {}
 
 
