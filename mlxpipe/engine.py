@@ -32,7 +32,7 @@ import mlx_lm
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from mlx.utils import tree_flatten
-from mlx_lm.generate import BatchGenerator, TextStateMachine
+from mlx_lm.generate import BatchGenerator, TextStateMachine, generation_stream
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
@@ -716,8 +716,14 @@ def _attach_quantized(engine: Engine, forms: dict[str, tuple[Any, ...]]) -> int:
         if usable and gemv.attach(weight, q, scales, biases, bits, group_size):
             attached.append(weight)
     if attached:  # registered for as long as the engine lives
-        weakref.finalize(engine, gemv.detach, attached)
+        weakref.finalize(engine, gemv.detach, attached, _settle)
     return len(attached)
+
+
+def _settle() -> None:
+    """Wait for the work mlx has queued on the streams mlxpipe uses (it computes a step ahead)."""
+    mx.synchronize()
+    mx.synchronize(generation_stream)
 
 
 def _is_quantized(model: Any) -> bool:

@@ -58,16 +58,22 @@ int mlxpipe_qgemv_register(const float *w, int n, int k, int bits, int group, co
                            const float *biases) {
     if (!mlxpipe_qgemv_available() || (bits != 4 && bits != 8) || group % 32 || k % group || registered >= TABLE / 2)
         return 0;
-    unsigned i = slot_of(w);
-    while (table[i].w && table[i].w != w) i = (i + 1) & (TABLE - 1);
-    if (!table[i].w) registered++;
+    unsigned i = slot_of(w), dead = TABLE;
+    for (; table[i].w && table[i].w != w; i = (i + 1) & (TABLE - 1))
+        if (table[i].n < 0 && dead == TABLE) dead = i; /* a dead entry's slot can be taken again */
+    if (!table[i].w && dead != TABLE) i = dead;
+    else if (!table[i].w) registered++;
     table[i] = (qmat){w, n, k, bits, group, (const uint8_t *)q, scales, biases};
     return 1;
 }
 
-void mlxpipe_qgemv_clear(void) {
-    memset(table, 0, sizeof table);
-    registered = 0;
+/* Marks w's entry dead (its products go back to the BLAS); the slot stays, so that lookups probe past it. */
+void mlxpipe_qgemv_unregister(const float *w) {
+    for (unsigned i = slot_of(w); table[i].w; i = (i + 1) & (TABLE - 1))
+        if (table[i].w == w) {
+            table[i].n = -1;
+            return;
+        }
 }
 
 long mlxpipe_qgemv_calls(void) { return qgemv_calls; }

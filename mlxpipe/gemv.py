@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,9 +125,7 @@ def attach(weight: Any, q: Any, scales: Any, biases: Any, bits: int, group_size:
         return False
     n, k = weight.shape
     key = _address(weight)
-    # Copies that this module owns, for the C side to read: a first version pointed into the mlx arrays
-    # themselves (held here all the same) and crashed under --batch on memory found unmapped; the cause
-    # was not found. The float32 matrix is only ever compared by address, never read.
+    # Copies that this module owns, for the C side to read; the float32 matrix is only compared by address.
     q = np.array(memoryview(q), copy=True, order="C")
     scales, biases = (np.array(memoryview(a), dtype=np.float32, order="C") for a in (scales, biases))
     p = ctypes.c_void_p
@@ -138,16 +137,18 @@ def attach(weight: Any, q: Any, scales: Any, biases: Any, bits: int, group_size:
     return bool(ok)
 
 
-def detach(weights: Any) -> None:
-    """Forget ``weights`` (attached float32 matrices): their one-row products go back to the BLAS."""
+def detach(weights: Any, settle: Callable[[], None] = lambda: None) -> None:
+    """Forget ``weights`` (attached float32 matrices): their one-row products go back to the BLAS.
+
+    ``settle`` is called between the two steps, to wait for products still running: the copies the C side
+    reads are released only after it (mlx runs a step ahead; freeing them at the end of a run crashed).
+    """
+    for w in weights:
+        if _shim is not None:
+            _shim.mlxpipe_qgemv_unregister(ctypes.c_void_p(_address(w)))
+    settle()
     for w in weights:
         _attached.pop(_address(w), None)
-    if _shim is None:
-        return
-    _shim.mlxpipe_qgemv_clear()
-    for entry in list(_attached.values()):
-        if not attach(*entry):
-            _attached.pop(_address(entry[0]), None)
 
 
 def quantized_calls() -> int:

@@ -175,7 +175,15 @@ def test_quantized_rows_match_numpy_and_fall_back_when_they_cannot(openblas: Any
         )  # fmt: skip
         np.testing.assert_allclose(c, 2 * want + 1, rtol=1e-4, atol=1e-4 * np.abs(want).max())
         assert shim.mlxpipe_qgemv_calls() == before
-    shim.mlxpipe_qgemv_clear()
+    shim.mlxpipe_qgemv_unregister(ptr(w.ctypes.data))  # the last one: back to the BLAS
+    c = np.zeros(n, np.float32)
+    before = shim.mlxpipe_qgemv_calls()
+    shim.cblas_sgemm(
+        ROW_MAJOR, NO_TRANS, TRANS, 1, n, k, ctypes.c_float(1.0), ptr(x[1:2].ctypes.data), k,
+        ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(c.ctypes.data), n,
+    )  # fmt: skip
+    assert shim.mlxpipe_qgemv_calls() == before
+    np.testing.assert_allclose(c, 2 * want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert not shim.mlxpipe_qgemv_register(ptr(1), 10, 48, 4, 32, ptr(1), ptr(1), ptr(1))  # 48 % 32 != 0
     assert not shim.mlxpipe_qgemv_register(ptr(1), 10, 64, 3, 32, ptr(1), ptr(1), ptr(1))  # 3 bits: no kernel
 
@@ -203,7 +211,11 @@ def test_the_embedded_models_one_row_products_read_its_quantized_weights(engine:
     mx.eval(quantized)
     assert gemv.quantized_calls() - before == 211
     entries = list(gemv._attached.values())
-    gemv.detach([e[0] for e in entries])
+    weights = [e[0] for e in entries]
+    # The copies must outlive the wait for products still running (mlx computes a step ahead).
+    held = []
+    gemv.detach(weights, settle=lambda: held.append(all(gemv._address(w) in gemv._attached for w in weights)))
+    assert held == [True] and not any(gemv._address(w) in gemv._attached for w in weights)
     try:
         plain = last_logits()
         mx.eval(plain)
