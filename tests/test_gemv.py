@@ -148,6 +148,17 @@ def test_quantized_rows_match_numpy_and_fall_back_when_they_cannot(openblas: Any
     shim.mlxpipe_qgemv_calls.restype = ctypes.c_long
     ptr = ctypes.c_void_p
     rng = np.random.default_rng(11)
+
+    def one_row(w: np.ndarray, start: int, ta: int, lda: int, alpha: float, beta: float, c: Any) -> bool:
+        """c = alpha op(a) w^T + beta c through the shim; whether the quantized kernels computed it."""
+        n, k = w.shape
+        before = shim.mlxpipe_qgemv_calls()
+        shim.cblas_sgemm(
+            ROW_MAJOR, ta, TRANS, 1, n, k, ctypes.c_float(alpha), ptr(start), lda, ptr(w.ctypes.data), k,
+            ctypes.c_float(beta), ptr(c.ctypes.data), n,
+        )  # fmt: skip
+        return bool(shim.mlxpipe_qgemv_calls() == before + 1)
+
     for n, k, bits, group in [(1536, 576, 4, 32), (576, 1536, 4, 64), (4096, 576, 8, 32), (96, 512, 4, 128)]:
         w, packed, scales, biases = _quantized(rng, n, k, bits, group)
         assert shim.mlxpipe_qgemv_register(
@@ -156,33 +167,18 @@ def test_quantized_rows_match_numpy_and_fall_back_when_they_cannot(openblas: Any
         )  # fmt: skip
         x = rng.standard_normal((3, k)).astype(np.float32)  # row 1 as a row; column 1 as a strided column
         want = (x[1].astype(np.float64) @ w.T.astype(np.float64)) * 0.5
-        for ta, a, lda in [(NO_TRANS, x[1:2], k), (TRANS, np.array(x.T, order="C"), 3)]:
-            start = x[1:2].ctypes.data if ta == NO_TRANS else a.ctypes.data + 4  # column 1 of the k x 3 copy
+        column = np.array(x.T, order="C")
+        for ta, start, lda in [(NO_TRANS, x[1:2].ctypes.data, k), (TRANS, column.ctypes.data + 4, 3)]:
             c = np.zeros(n, np.float32)
-            before = shim.mlxpipe_qgemv_calls()
-            shim.cblas_sgemm(
-                ROW_MAJOR, ta, TRANS, 1, n, k, ctypes.c_float(0.5), ptr(start), lda, ptr(w.ctypes.data), k,
-                ctypes.c_float(0.0), ptr(c.ctypes.data), n,
-            )  # fmt: skip
-            assert shim.mlxpipe_qgemv_calls() == before + 1
+            assert one_row(w, start, ta, lda, 0.5, 0.0, c)
             np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-        # Not this matrix's shape, or an accumulating product: the BLAS computes it from the float32 copy.
+        # An accumulating product: the BLAS computes it from the float32 copy.
         c = np.ones(n, np.float32)
-        before = shim.mlxpipe_qgemv_calls()
-        shim.cblas_sgemm(
-            ROW_MAJOR, NO_TRANS, TRANS, 1, n, k, ctypes.c_float(1.0), ptr(x[1:2].ctypes.data), k,
-            ptr(w.ctypes.data), k, ctypes.c_float(1.0), ptr(c.ctypes.data), n,
-        )  # fmt: skip
+        assert not one_row(w, x[1:2].ctypes.data, NO_TRANS, k, 1.0, 1.0, c)
         np.testing.assert_allclose(c, 2 * want + 1, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-        assert shim.mlxpipe_qgemv_calls() == before
     shim.mlxpipe_qgemv_unregister(ptr(w.ctypes.data))  # the last one: back to the BLAS
     c = np.zeros(n, np.float32)
-    before = shim.mlxpipe_qgemv_calls()
-    shim.cblas_sgemm(
-        ROW_MAJOR, NO_TRANS, TRANS, 1, n, k, ctypes.c_float(1.0), ptr(x[1:2].ctypes.data), k,
-        ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(c.ctypes.data), n,
-    )  # fmt: skip
-    assert shim.mlxpipe_qgemv_calls() == before
+    assert not one_row(w, x[1:2].ctypes.data, NO_TRANS, k, 1.0, 0.0, c)
     np.testing.assert_allclose(c, 2 * want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert not shim.mlxpipe_qgemv_register(ptr(1), 10, 48, 4, 32, ptr(1), ptr(1), ptr(1))  # 48 % 32 != 0
     assert not shim.mlxpipe_qgemv_register(ptr(1), 10, 64, 3, 32, ptr(1), ptr(1), ptr(1))  # 3 bits: no kernel
