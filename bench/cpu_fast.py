@@ -9,8 +9,8 @@ plain layers round by round (the settings below) so that other load on the CPU f
   evaluated (min and median over ``--steps`` steps per round, over all rounds);
 - ``mlx_lm.stream_generate`` of ``--steps`` tokens (B=1), its decode rate (best of the rounds).
 
-Settings: plain (mx.fast), rms_norm, rope or swiglu swapped, all three; each one's speed-up over plain, and
-whether its greedy tokens equal plain's.
+Settings: plain (mx.fast), each of ``cpu_fast.KINDS`` swapped alone, all of them; each one's speed-up over
+plain, and whether its greedy tokens equal plain's.
 """
 
 from __future__ import annotations
@@ -76,19 +76,19 @@ def main() -> int:
                 picks[name, batch] = p
             rates[name].append(stream())
 
-    print(f"\n{'swapped':<10}{'B':>4}{'step min':>12}{'median':>12}{'tok/s':>9}{'x plain':>9}  greedy tokens")
+    print(f"\n{'swapped':<16}{'B':>4}{'step min':>12}{'median':>12}{'tok/s':>9}{'x plain':>9}  greedy tokens")
     for batch in batches:
         base = min(times["plain", batch])
         for name in settings:
             t = times[name, batch]
             same = "equal" if picks[name, batch] == picks["plain", batch] else "DIFFER"
             print(
-                f"{name:<10}{batch:>4}{min(t) * 1e3:>9.1f} ms{statistics.median(t) * 1e3:>9.1f} ms"
+                f"{name:<16}{batch:>4}{min(t) * 1e3:>9.1f} ms{statistics.median(t) * 1e3:>9.1f} ms"
                 f"{batch / min(t):>9.1f}{base / min(t):>8.2f}x  {same}"
             )
     for name in settings:
         best = max(rates[name])
-        print(f"stream_generate {name:<10}{best:>7.1f} tok/s{best / max(rates['plain']):>7.2f}x")
+        print(f"stream_generate {name:<16}{best:>7.1f} tok/s{best / max(rates['plain']):>7.2f}x")
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -7,6 +7,9 @@ instances for the subclasses below; nothing else changes (weights, parameters, t
 The MLP's SwiGLU is the one swap that is not bit for bit: mlx's CPU ``exp`` (inside its sigmoid) costs
 ~9 ns a value, a quarter of a ``--batch 128`` decode step; a rational approximation, within float32
 rounding of exact maths (2.5e-7, mlx's own 1.4e-7), takes less than half the time.
+Decoder layers hand their output to mlx as soon as Python has built it (``eval_per_layer``): mlx computes
+layer i while Python builds layer i + 1, where one evaluation per token left the CPU idle while Python built
+the whole step (numbers unchanged, only when they are computed).
 Used by :mod:`mlxpipe.engine` only, and only on a CPU: on Metal and CUDA ``mx.fast`` has real kernels.
 ``MLXPIPE_CPU_FAST=off`` turns it off. Measurements: bench/RESULTS.md (issue 7).
 """
@@ -32,7 +35,7 @@ from mlx.nn.layers.positional_encoding import RoPE
 
 ENV = "MLXPIPE_CPU_FAST"
 _OFF = {"off", "0", "no", "false", "none"}
-KINDS = ("rms_norm", "rope", "swiglu")
+KINDS = ("rms_norm", "rope", "swiglu", "eval_per_layer")
 
 # How often mx.compile traced each fast path (it retraces on new shapes only, never per position).
 traces: Counter[str] = Counter()
@@ -140,14 +143,30 @@ def _fast_mlp(base: type) -> type:
     return type(f"Fast{base.__name__}", (base,), {"__call__": __call__, "__doc__": doc, "_plain": base})
 
 
+@cache
+def _eval_ahead(base: type) -> type:
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = base.__call__(self, *args, **kwargs)
+        # mx.async_eval returns once mlx's queue is down to its last ~100 operations: evaluating once a step
+        # kept Python from building the next step until this one was nearly done (~3 ms idle of ~14 a token).
+        mx.async_eval(out)  # type: ignore[no-untyped-call]  # (mlx ships no types for it)
+        return out
+
+    doc = f"{base.__name__} whose output mlx starts computing as soon as it is built."
+    return type(f"EvalAhead{base.__name__}", (base,), {"__call__": __call__, "__doc__": doc, "_plain": base})
+
+
+# Decoder layer classes that return their output as arrays: filled by the engine, as SWIGLU_MLPS below.
+DECODER_LAYERS: set[type] = set()
+
 # MLP classes whose __call__ is down_proj(swiglu(gate_proj(x), up_proj(x))): filled by the engine, which knows
 # mlx-lm's model code (this module does not import it).
 SWIGLU_MLPS: set[type] = set()
 
 
 def apply(model: Any, kinds: Iterable[str] = KINDS) -> list[str]:
-    """Swap ``model``'s exact ``nn.RMSNorm`` and ``nn.RoPE`` instances, and the MLPs of :data:`SWIGLU_MLPS`,
-    in place; the kinds swapped, sorted.
+    """Swap ``model``'s exact ``nn.RMSNorm`` and ``nn.RoPE`` instances, the MLPs of :data:`SWIGLU_MLPS` and
+    the layers of :data:`DECODER_LAYERS`, in place; the kinds swapped, sorted.
 
     ``kinds``: which of :data:`KINDS` to swap.
 
@@ -159,6 +178,10 @@ def apply(model: Any, kinds: Iterable[str] = KINDS) -> list[str]:
         if type(module) in SWIGLU_MLPS and "swiglu" in wanted:
             module.__class__ = _fast_mlp(type(module))  # type: ignore[arg-type]  # same parameters, new __call__
             swapped.add("swiglu")
+            continue
+        if type(module) in DECODER_LAYERS and "eval_per_layer" in wanted:
+            module.__class__ = _eval_ahead(type(module))  # type: ignore[arg-type]
+            swapped.add("eval_per_layer")
             continue
         new: Module | None = None
         if type(module) is RMSNorm and "rms_norm" in wanted:
@@ -176,7 +199,7 @@ def apply(model: Any, kinds: Iterable[str] = KINDS) -> list[str]:
 
 
 def revert(model: Any) -> None:
-    """Undo :func:`apply`: put plain ``nn.RMSNorm``, ``nn.RoPE`` and MLPs back (for side-by-side runs)."""
+    """Undo :func:`apply`: put plain ``nn.RMSNorm``, ``nn.RoPE``, MLPs and layers back (side-by-side runs)."""
     for name, module in list(model.named_modules()):
         if plain := type(module).__dict__.get("_plain"):
             module.__class__ = plain

@@ -43,8 +43,10 @@ from . import cpu_fast, gemv, models
 from .events import Chunk, Done, Error
 from .io import Record
 
-# mlx-lm's Llama MLP (SmolLM2's, among others) computes down_proj(swiglu(gate_proj(x), up_proj(x))).
+# mlx-lm's Llama MLP (SmolLM2's, among others) computes down_proj(swiglu(gate_proj(x), up_proj(x))), and its
+# decoder layer returns one array.
 cpu_fast.SWIGLU_MLPS.add(llama.MLP)
+cpu_fast.DECODER_LAYERS.add(llama.TransformerBlock)
 
 if TYPE_CHECKING:
     from .constrain import Constraint, Grammars, Matcher

@@ -107,6 +107,35 @@ def test_apply_gives_registered_mlps_the_fast_swiglu_and_reverts(monkeypatch: py
     assert type(model.layers[0]) is _MLP and mx.array_equal(model(x), plain).item()
 
 
+class _Layer(nn.Module):
+    """A stand-in for a decoder layer: x + mlp(norm(x))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.RMSNorm(8), _MLP()
+
+    def __call__(self, x: mx.array, mask: Any = None) -> mx.array:
+        return x + self.mlp(self.norm(x))
+
+
+def test_registered_layers_hand_their_output_to_mlx_and_revert(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_fast, "DECODER_LAYERS", {_Layer})
+    model = nn.Sequential(_Layer(), _Layer(), _Layer())
+    x = mx.random.normal((1, 2, 8), key=mx.random.key(5))
+    plain = model(x)
+    started: list[mx.array] = []
+    async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: (started.extend(arrays), async_eval(*arrays)))
+    assert cpu_fast.apply(model, ["eval_per_layer", "swiglu"]) == ["eval_per_layer"]  # no MLP registered
+    out = model(x)
+    assert len(started) == 3 and started[-1] is out  # each layer's output, as soon as it was built
+    assert mx.array_equal(out, plain).item()  # the same numbers, only computed sooner
+    cpu_fast.revert(model)
+    assert all(type(layer) is _Layer for layer in model.layers)
+    started.clear()
+    assert mx.array_equal(model(x), plain).item() and started == []
+
+
 def test_rope_is_traced_once_for_every_position() -> None:
     rope = cpu_fast.FastRoPE(64, traditional=True, base=1e5)
     x = mx.random.normal((1, 9, 1, 64))
@@ -181,7 +210,7 @@ def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
 def test_model_info_reports_the_fast_paths() -> None:
     info = json.loads(run_cli(["--model-info"]).stdout)
     on_cpu = info["device"].startswith("Device(cpu")
-    assert info["cpu_fast_paths"] == (["rms_norm", "rope", "swiglu"] if on_cpu else [])
+    assert info["cpu_fast_paths"] == (["eval_per_layer", "rms_norm", "rope", "swiglu"] if on_cpu else [])
     off = json.loads(run_cli(["--model-info"], env=cli_env(**{cpu_fast.ENV: "off"})).stdout)
     assert off["cpu_fast_paths"] == []
 
