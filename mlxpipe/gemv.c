@@ -88,58 +88,106 @@ static const qmat *lookup(const float *w, int n, int k) {
 #ifdef X86_AVX512
 /* y[r] = sum_j W[r,j] x[j], W[r,j] = scale[r,g] * q[r,j] + bias[r,g] for j in group g; with AVX-512 (the
  * plain C version the compiler made was slower than sgemv on float32: only AVX-512 machines register).
- * Accumulators alternate between groups, so that one group's multiply-adds need not wait for the last's. */
+ * Two rows at a time, each sum in its own registers: a multiply-add waits ~4 cycles for the one before
+ * it on the same sum, so one row alone kept the core waiting (an array of sums indexed by group, as
+ * before, went through memory: half the speed). And the quantized bytes are fetched 8 KB ahead: read
+ * that fast, the CPU's own prefetching fell behind (one-row products from memory 17 -> 44 G weights/s for
+ * 4 bits, 16 -> 29 for 8, in a scratch benchmark on the project machine). */
+enum { PREFETCH = 8192 };
 /* 4 bits: a group has 16 possible weights, scale * q + bias; they are computed once and looked up with
  * vpermps, which reads just the low 4 bits of each index: the byte's low nibble as it is, its high one
  * shifted down. So the products use the very float32 weights that dequantizing gives. */
-__attribute__((target("avx512f,avx512bw,fma"))) static void rows4_avx512(const qmat *m, const float *xe,
-                                                                          const float *xo, int r0, int r1,
-                                                                          float *y) {
-    int groups = m->k / m->group, half = m->group / 2;
+#define ROWS4_STEP(q, s, b, lo, hi)                                                                          \
+    do {                                                                                                      \
+        __m512 v_ = _mm512_fmadd_ps(iota, _mm512_set1_ps((s)[g]), _mm512_set1_ps((b)[g]));                  \
+        if ((g & 3) == 0) _mm_prefetch((const char *)((q) + g * half) + PREFETCH, _MM_HINT_T0);            \
+        for (int j = 0; j < half; j += 16) {                                                                  \
+            __m512i w_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((q) + g * half + j)));       \
+            lo = _mm512_fmadd_ps(_mm512_loadu_ps(xe + g * half + j), _mm512_permutexvar_ps(w_, v_), lo);      \
+            hi = _mm512_fmadd_ps(_mm512_loadu_ps(xo + g * half + j),                                          \
+                                 _mm512_permutexvar_ps(_mm512_srli_epi32(w_, 4), v_), hi);                    \
+        }                                                                                                     \
+    } while (0)
+
+/* `group` is a constant where it is inlined for 32 (GGUF's group size): the loops over a group unroll. */
+__attribute__((target("avx512f,avx512bw,fma"), always_inline)) static inline void
+rows4_group(const qmat *m, int group, const float *xe, const float *xo, int r0, int r1, float *y) {
+    int groups = m->k / group, half = group / 2;
+    long stride = m->k / 2;
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int r = r0; r < r1; r++) {
-        const uint8_t *q = m->q + (long)r * (m->k / 2);
-        const float *s = m->scales + (long)r * groups, *b = m->biases + (long)r * groups;
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int r = r0;
+    for (; r + 1 < r1; r += 2) {
+        const uint8_t *q0 = m->q + r * stride, *q1 = q0 + stride;
+        const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
+        __m512 lo0 = _mm512_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
         for (int g = 0; g < groups; g++) {
-            const uint8_t *qg = q + g * half;
-            const float *e = xe + g * half, *o = xo + g * half;
-            __m512 *a = acc + 2 * (g & 1);
-            __m512 values = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[g]), _mm512_set1_ps(b[g]));
-            for (int j = 0; j < half; j += 16) {
-                __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + j)));
-                a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(e + j), _mm512_permutexvar_ps(w, values), a[0]);
-                a[1] = _mm512_fmadd_ps(_mm512_loadu_ps(o + j), _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), values),
-                                       a[1]);
-            }
+            ROWS4_STEP(q0, s0, b0, lo0, hi0);
+            ROWS4_STEP(q1, s0 + groups, b0 + groups, lo1, hi1);
         }
-        y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+        y[r] = _mm512_reduce_add_ps(_mm512_add_ps(lo0, hi0));
+        y[r + 1] = _mm512_reduce_add_ps(_mm512_add_ps(lo1, hi1));
+    }
+    if (r < r1) {
+        const uint8_t *q0 = m->q + r * stride;
+        const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
+        __m512 lo0 = _mm512_setzero_ps(), hi0 = lo0;
+        for (int g = 0; g < groups; g++) ROWS4_STEP(q0, s0, b0, lo0, hi0);
+        y[r] = _mm512_reduce_add_ps(_mm512_add_ps(lo0, hi0));
     }
 }
 
+__attribute__((target("avx512f,avx512bw,fma"))) static void rows4_avx512(const qmat *m, const float *xe,
+                                                                          const float *xo, int r0, int r1,
+                                                                          float *y) {
+    if (m->group == 32) rows4_group(m, 32, xe, xo, r0, r1, y);
+    else rows4_group(m, m->group, xe, xo, r0, r1, y);
+}
+
 /* 8 bits: 256 possible weights, too many to look up; scale * (q . x) + bias * sum(x) per group instead. */
+#define ROWS8_STEP(q, s, b, sum, bias)                                                                       \
+    do {                                                                                                      \
+        __m512 v_ = _mm512_setzero_ps();                                                                      \
+        for (int j = 0; j < group; j += 16) {                                                                 \
+            __m512i w_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((q) + g * group + j)));      \
+            v_ = _mm512_fmadd_ps(_mm512_loadu_ps(x + g * group + j), _mm512_cvtepi32_ps(w_), v_);            \
+        }                                                                                                     \
+        if ((g & 1) == 0) _mm_prefetch((const char *)((q) + g * group) + PREFETCH, _MM_HINT_T0);           \
+        sum = _mm512_fmadd_ps(v_, _mm512_set1_ps((s)[g]), sum);                                               \
+        bias += (b)[g] * xsum[g];                                                                             \
+    } while (0)
+
+__attribute__((target("avx512f,avx512bw,fma"), always_inline)) static inline void
+rows8_group(const qmat *m, int group, const float *x, const float *xsum, int r0, int r1, float *y) {
+    int groups = m->k / group;
+    long stride = m->k;
+    int r = r0;
+    for (; r + 1 < r1; r += 2) {
+        const uint8_t *q0 = m->q + r * stride, *q1 = q0 + stride;
+        const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
+        __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
+        float bias0 = 0, bias1 = 0;
+        for (int g = 0; g < groups; g++) {
+            ROWS8_STEP(q0, s0, b0, sum0, bias0);
+            ROWS8_STEP(q1, s0 + groups, b0 + groups, sum1, bias1);
+        }
+        y[r] = _mm512_reduce_add_ps(sum0) + bias0;
+        y[r + 1] = _mm512_reduce_add_ps(sum1) + bias1;
+    }
+    if (r < r1) {
+        const uint8_t *q0 = m->q + r * stride;
+        const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
+        __m512 sum0 = _mm512_setzero_ps();
+        float bias0 = 0;
+        for (int g = 0; g < groups; g++) ROWS8_STEP(q0, s0, b0, sum0, bias0);
+        y[r] = _mm512_reduce_add_ps(sum0) + bias0;
+    }
+}
+
 __attribute__((target("avx512f,avx512bw,fma"))) static void rows8_avx512(const qmat *m, const float *x,
                                                                           const float *xsum, int r0, int r1,
                                                                           float *y) {
-    int groups = m->k / m->group;
-    for (int r = r0; r < r1; r++) {
-        const uint8_t *q = m->q + (long)r * m->k;
-        const float *s = m->scales + (long)r * groups, *b = m->biases + (long)r * groups;
-        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        float bias = 0;
-        for (int g = 0; g < groups; g++) {
-            const uint8_t *qg = q + g * m->group;
-            const float *xg = x + g * m->group;
-            __m512 v = _mm512_setzero_ps();
-            for (int j = 0; j < m->group; j += 16) {
-                __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + j)));
-                v = _mm512_fmadd_ps(_mm512_loadu_ps(xg + j), _mm512_cvtepi32_ps(w), v);
-            }
-            acc[g & 1] = _mm512_fmadd_ps(v, _mm512_set1_ps(s[g]), acc[g & 1]);
-            bias += b[g] * xsum[g];
-        }
-        y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) + bias;
-    }
+    if (m->group == 32) rows8_group(m, 32, x, xsum, r0, r1, y);
+    else rows8_group(m, m->group, x, xsum, r0, r1, y);
 }
 
 #endif
