@@ -25,6 +25,21 @@ TOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 2e-2}
 DTYPES = list(TOL)
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu(request: pytest.FixtureRequest) -> Any:
+    """The unit tests compute on the CPU, the only device mlxpipe uses these paths on (on a GPU ``mx.fast``
+    has kernels of its own, which compute cos and sin differently)."""
+    if request.node.get_closest_marker("model"):
+        yield
+        return
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(device)
+
+
 def _close(a: mx.array, b: mx.array, dtype: Any) -> bool:
     assert a.dtype == b.dtype == dtype and a.shape == b.shape
     return bool(
