@@ -1,6 +1,6 @@
 """mlxpipe against llama.cpp on the same GGUF file, measured side by side in one run.
 
-    python bench/vs_llamacpp.py [--threads 2] [--max-tokens 128] [--batch 16,64]
+    python bench/vs_llamacpp.py [--threads 2] [--max-tokens 128] [--batch 16,64] [--rounds 3]
 
 Both engines get the same prompt token ids (the embedded model's chat template, applied by mlxpipe) and greedy
 decoding. llama.cpp gets ``--threads`` (n_threads/n_threads_batch, 2 = this machine's cores); mlxpipe runs
@@ -8,8 +8,11 @@ with its defaults (1 OpenBLAS thread for one stream, one per core with ``--batch
 beside), or with ``OPENBLAS_NUM_THREADS`` from the environment. Per record it takes the time to first token
 and the decode rate after it ((tokens - 1) / (last - first)), timed from outside each engine in the same way.
 
-Single stream: records one after another. Batched: mlxpipe's ``--batch`` path (``mlxpipe.run(batch=N)``) when
-this checkout has it, else mlx-lm's ``batch_generate`` on the same loaded model (said in the output);
+Single stream: records one after another, ``--rounds`` times, the engines taking turns (mlxpipe's records,
+then llama.cpp's, and again): the ratios are the median of the rounds' ratios, each taken under the same
+conditions (this CPU's speed drifts from minute to minute). Batched: mlxpipe's ``--batch`` path
+(``mlxpipe.run(batch=N)``) when this checkout has it, else mlx-lm's ``batch_generate`` on the same loaded
+model (said in the output);
 aggregate = all generated tokens / wall time. llama.cpp is compared by its single stream (llama-cpp-python
 has no batched generation API). Installs nothing: llama.cpp is measured only when ``llama_cpp`` imports
 (``pip install -e '.[bench]'``).
@@ -23,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +80,12 @@ def summarize(name: str, runs: list[Run]) -> dict[str, float]:
     return out
 
 
-def llamacpp_single(path: str, prompts: list[list[int]], max_tokens: int, threads: int) -> list[Run] | None:
+Runner = Callable[[list[list[int]]], list[Run]]
+
+
+def llamacpp_runner(path: str, max_tokens: int, threads: int, warmup: list[int]) -> Runner | None:
+    """Load llama.cpp once and warm it up (None when ``llama_cpp`` does not import); the function that runs
+    prompts on it."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -103,8 +112,8 @@ def llamacpp_single(path: str, prompts: list[list[int]], max_tokens: int, thread
                 break
         return Run(first, last, len(out), llm.detokenize(out).decode(errors="replace"))
 
-    one(prompts[0][:8])  # warm-up
-    return [one(p) for p in prompts]
+    one(warmup)
+    return lambda prompts: [one(p) for p in prompts]
 
 
 def mlxpipe_single(engine: Any, records: list[Any]) -> list[Run]:
@@ -171,6 +180,9 @@ def main() -> int:
         "--batch", default="16", help="comma-separated records generated together, one run each (0: skip)"
     )
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="single-stream rounds, the two engines alternating (default 3)"
+    )
     args = parser.parse_args()
 
     # mlxpipe runs with its own thread choice (1 OpenBLAS thread for one stream, one per core for --batch),
@@ -195,10 +207,16 @@ def main() -> int:
     tokens = [engine.encode(r) for r in records]
 
     mlxpipe_single(engine, records[:1])  # warm-up
-    our_runs = mlxpipe_single(engine, records[: args.records])
-    ours = summarize(f"mlxpipe single ({info['dtype']})", our_runs)
-    base_runs = llamacpp_single(str(gguf), tokens[: args.records], args.max_tokens, args.threads)
-    base = summarize("llama.cpp single", base_runs) if base_runs else None
+    llamacpp = llamacpp_runner(str(gguf), args.max_tokens, args.threads, tokens[0][:8])
+    # The engines take turns, round after round: this CPU's speed drifts from minute to minute, and the ratio
+    # of each round compares the two under the same conditions.
+    rounds: list[tuple[dict[str, float], dict[str, float] | None]] = []
+    for i in range(args.rounds):
+        print(f"round {i + 1}:")
+        our_runs = mlxpipe_single(engine, records[: args.records])
+        ours = summarize(f"mlxpipe single ({info['dtype']})", our_runs)
+        base_runs = llamacpp(tokens[: args.records]) if llamacpp else None
+        rounds.append((ours, summarize("llama.cpp single", base_runs) if base_runs else None))
     if base_runs:
         same = sum(a.text.strip() == b.text.strip() for a, b in zip(our_runs, base_runs, strict=True))
         print(f"greedy texts identical in both engines: {same} of {len(base_runs)}")
@@ -216,17 +234,21 @@ def main() -> int:
         print(f"{how:<34} aggregate {tps:7.1f} tok/s ({n} tokens), median ttft {ttft * 1000:.0f} ms")
 
     print()
-    if base:
-        print(
-            f"single stream decode: mlxpipe/llama.cpp = {ours['decode_tps'] / base['decode_tps']:.2f}x "
-            "(goal >= 0.5)"
-        )
-        print(f"time to first token: mlxpipe/llama.cpp = {ours['ttft_ms'] / base['ttft_ms']:.2f}x")
+    measured = [(ours, base) for ours, base in rounds if base]
+    if measured:
+
+        def ratios(key: str) -> str:
+            each = [ours[key] / base[key] for ours, base in measured]
+            return f"{statistics.median(each):.2f}x (median of {', '.join(f'{r:.2f}' for r in each)})"
+
+        print(f"single stream decode: mlxpipe/llama.cpp = {ratios('decode_tps')} (goal >= 0.5)")
+        print(f"time to first token: mlxpipe/llama.cpp = {ratios('ttft_ms')}")
+        decode = statistics.median(base["decode_tps"] for _, base in measured)
+        whole = statistics.median(base["end_to_end_tps"] for _, base in measured)
         for size, tps in batched.items():
-            ratio, whole = tps / base["decode_tps"], tps / base["end_to_end_tps"]
             print(
-                f"batched aggregate (--batch {size}) / llama.cpp single decode = {ratio:.2f}x (goal >= 2); "
-                f"/ llama.cpp single end to end = {whole:.2f}x"
+                f"batched aggregate (--batch {size}) / llama.cpp single decode (median of the rounds) = "
+                f"{tps / decode:.2f}x (goal >= 2); / its end to end = {tps / whole:.2f}x"
             )
     else:
         print("no llama.cpp baseline: ratios not computed")
