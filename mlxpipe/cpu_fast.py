@@ -168,26 +168,29 @@ def _swiglu_fast(gate: mx.array, x: mx.array) -> mx.array:
 swiglu = mx.compile(_swiglu_fast)
 
 
+def _subclass(base: type, prefix: str, call: Callable[..., Any], doc: str) -> type:
+    """``base`` with another ``__call__``; ``_plain`` remembers ``base`` for :func:`revert`."""
+    return type(f"{prefix}{base.__name__}", (base,), {"__call__": call, "__doc__": doc, "_plain": base})
+
+
 @cache
 def _fast_mlp(base: type) -> type:
     def __call__(self: Any, x: mx.array) -> Any:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
-    doc = f"{base.__name__} with the fast SwiGLU."
-    return type(f"Fast{base.__name__}", (base,), {"__call__": __call__, "__doc__": doc, "_plain": base})
+    return _subclass(base, "Fast", __call__, f"{base.__name__} with the fast SwiGLU.")
 
 
 @cache
 def _eval_ahead(base: type) -> type:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = base.__call__(self, *args, **kwargs)
-        # mx.async_eval returns once mlx's queue is down to its last ~100 operations: evaluating once a step
-        # kept Python from building the next step until this one was nearly done (~3 ms idle of ~14 a token).
+        # mx.async_eval returns only once mlx's queue is down to its last few dozen operations: evaluating
+        # once a step kept Python from building the next step until this one was nearly done (~3 ms idle).
         mx.async_eval(out)  # type: ignore[no-untyped-call]  # (mlx ships no types for it)
         return out
 
-    doc = f"{base.__name__} whose output mlx starts computing as soon as it is built."
-    return type(f"EvalAhead{base.__name__}", (base,), {"__call__": __call__, "__doc__": doc, "_plain": base})
+    return _subclass(base, "EvalAhead", __call__, f"{base.__name__}, computed as soon as it is built.")
 
 
 # Decoder layer classes that return their output as arrays: filled by the engine, as SWIGLU_MLPS below.
