@@ -92,7 +92,7 @@ static const qmat *lookup(const float *w, int n, int k) {
  * it on the same sum, so one row alone kept the core waiting (an array of sums indexed by group, as
  * before, went through memory: half the speed). And the quantized bytes are fetched 8 KB ahead: read
  * that fast, the CPU's own prefetching fell behind (one-row products from memory 17 -> 44 G weights/s for
- * 4 bits, 16 -> 29 for 8, in a scratch benchmark on the project machine). */
+ * 4 bits, 17 -> 35 for 8, in a scratch benchmark on the project machine). */
 enum { PREFETCH = 8192 };
 /* 4 bits: a group has 16 possible weights, scale * q + bias; they are computed once and looked up with
  * vpermps, which reads just the low 4 bits of each index: the byte's low nibble as it is, its high one
