@@ -698,12 +698,16 @@ def _accelerator() -> str | None:
 
 
 def _quantized_forms(model: Any) -> dict[str, tuple[Any, ...]]:
-    """Each affine-quantized layer's (packed weight, float32 scales, float32 biases, bits, group size)."""
+    """Each affine-quantized layer's (packed weight, float32 scales, float32 biases, bits, group size).
+
+    Casts the layers' scales and biases to float32 in place: :func:`apply_dtype` dequantizes from those
+    (its own cast is then free: the same dtype gives the same array).
+    """
     forms = {}
     for name, m in model.named_modules():
         if isinstance(m, _QUANTIZED) and getattr(m, "mode", "affine") == "affine" and "biases" in m:
-            scales, biases = m.scales.astype(mx.float32), m["biases"].astype(mx.float32)
-            forms[name] = (m.weight, scales, biases, m.bits, m.group_size)
+            m.update({k: m[k].astype(mx.float32) for k in ("scales", "biases")})
+            forms[name] = (m.weight, m["scales"], m["biases"], m.bits, m.group_size)
     mx.eval([f[:3] for f in forms.values()])
     return forms
 
