@@ -58,7 +58,7 @@ format: setup
 
 # Regenerate the man page's OPTIONS section and the README's option table from mlxpipe/options.py.
 docs: setup
-	$(BIN)/python -m mlxpipe.docs
+	$(BIN)/python -m mlxpipe.cli.docs
 
 clean:
 	rm -rf $(VENV) build *.egg-info

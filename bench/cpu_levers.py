@@ -38,7 +38,7 @@ PROMPT = "Write a long story about a dragon who learns to paint."
 
 def measure(dtype: str, batch: int, steps: int, stream: bool) -> dict[str, float]:
     """In this process: load the embedded model in ``dtype`` and time decode steps of ``batch`` tokens."""
-    from mlxpipe import blas
+    from mlxpipe.cpu import blas
 
     blas.setup()  # before mlx is imported, as mlxpipe.engine does: mlx binds its BLAS on import
     import mlx.core as mx

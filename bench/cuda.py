@@ -44,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from mlxpipe import models
 from mlxpipe.engine import Engine
-from mlxpipe.io import Settings, records_from_objects
 from mlxpipe.pipeline import run
+from mlxpipe.reader import records_from_objects
+from mlxpipe.records import Settings
 
 # isort: split
 # After mlxpipe.engine, which on a Linux CPU loads an optimized BLAS before mlx.
@@ -191,7 +192,7 @@ def has_batch() -> bool:
 
 def auto_choice(engine: Engine, batch: int) -> str | None:
     """What ``--dtype auto`` picks for ``--batch batch`` on this machine, if this mlxpipe can say."""
-    from mlxpipe import engine as engine_module
+    from mlxpipe.engine import dtype as engine_module
 
     choose = getattr(engine_module, "choose_dtype", None)
     if choose is None:

@@ -1,6 +1,6 @@
 """Timed greedy decode steps on a loaded model: what the CPU benchmarks measure a step by.
 
-Imported by bench/cpu_levers.py and bench/cpu_fast.py (a script's own folder is on ``sys.path``), after
+Imported by bench/cpu_levers.py and bench/cpu_layers.py (a script's own folder is on ``sys.path``), after
 they have set up the BLAS and imported mlx.
 """
 

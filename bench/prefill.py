@@ -22,7 +22,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--steps", default="2048,512,256", help="comma-separated prefill step sizes")
     args = parser.parse_args()
-    from mlxpipe import blas
+    from mlxpipe.cpu import blas
 
     blas.setup()  # before mlx is imported, as mlxpipe.engine does
     import mlx_lm

@@ -21,7 +21,8 @@ import time
 
 from mlxpipe import Engine, run
 from mlxpipe.events import Done
-from mlxpipe.io import InputFormat, RecordReader, Settings, Template
+from mlxpipe.reader import InputFormat, RecordReader
+from mlxpipe.records import Settings, Template
 
 RULES = [
     "Read the whole text before deciding; do not label from the first sentence alone.",
@@ -62,7 +63,7 @@ def records(n: int) -> list:
 
 def measure(engine: Engine, n: int, reuse: bool, batch: int) -> tuple[float, list[float], list[Done]]:
     engine.reuse_prefix = reuse
-    engine._prefixes.clear()  # each measurement starts cold: the prefix is built inside it
+    engine.prefixes.clear()  # each measurement starts cold: the prefix is built inside it
     start = time.perf_counter()
     done = [e for e in run(records(n), engine, batch=batch) if isinstance(e, Done)]
     wall = time.perf_counter() - start

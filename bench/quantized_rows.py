@@ -31,14 +31,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
 
-    from mlxpipe import blas
+    from mlxpipe.cpu import blas
 
     blas.setup()  # before mlx is imported, as mlxpipe.engine does: mlx binds its BLAS on import
     import mlx.core as mx
     import mlx_lm
     from decode_steps import decode_steps
 
-    from mlxpipe import gemv
+    from mlxpipe.cpu import gemv
     from mlxpipe.engine import Engine
 
     engine = Engine.load(None)

@@ -19,9 +19,10 @@ from dataclasses import replace
 from typing import Any
 
 from mlxpipe import constrain
-from mlxpipe.engine import Engine, RecordError
+from mlxpipe.engine import Engine
+from mlxpipe.errors import RecordError
 from mlxpipe.events import Chunk, Done
-from mlxpipe.io import Record, Settings
+from mlxpipe.records import Record, Settings
 
 SCHEMA = {
     "type": "object",

@@ -17,7 +17,7 @@ import time
 
 from mlxpipe import Engine, records_from_objects, run
 from mlxpipe.events import Done
-from mlxpipe.io import Settings
+from mlxpipe.records import Settings
 
 TOPICS = [
     "the sea",

@@ -189,7 +189,7 @@ def main() -> int:
     # unless OPENBLAS_NUM_THREADS is set in the environment; it uses the machine's cores either way.
     from mlxpipe import models, records_from_objects
     from mlxpipe.engine import Engine
-    from mlxpipe.io import Settings
+    from mlxpipe.records import Settings
 
     gguf = models.resolve(None).path
     assert gguf is not None

@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
         return run
     if name == "records_from_objects":
-        from .io import records_from_objects
+        from .reader import records_from_objects
 
         return records_from_objects
     raise AttributeError(name)

@@ -21,16 +21,14 @@ import llguidance
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from .errors import ConstraintError
+
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 # Compact JSON (no free whitespace): fewer tokens, and a small model cannot drift into endless
 # newlines. A schema's own "x-guidance" options override these defaults.
 _JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
-
-
-class ConstraintError(ValueError):
-    """A schema, regex, grammar or choice list that cannot be used, or an answer that breaks one."""
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ neighbours, while a collective reaches rank 0 from any number of hosts. A rank t
 sockets: the next gather fails on the others and raises :class:`RankLost`.
 """
 
-# ruff: noqa: E402  (blas.setup() has to run before the first import of mlx)
 from __future__ import annotations
 
 import dataclasses
@@ -42,19 +41,12 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
-from . import blas
-
-blas.setup()  # the CLI imports this room before the engine: the BLAS must go in before mlx does
-
-import mlx.core as mx
-
+from .cpu import mlx_core
 from .events import FINAL_EVENTS, Chunk, Done, Error, Event
-from .io import BadRecord, Record
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .interface import EngineLike, ShouldStop
+from .records import BadRecord, Record
 
 _KINDS: dict[str, type[Chunk] | type[Done] | type[Error]] = {"chunk": Chunk, "done": Done, "error": Error}
 
@@ -120,12 +112,13 @@ class Ranks:
         """Join the job ``mlx.launch`` started, if any (``mx.distributed.init``); else one rank alone."""
         if not launched():
             return cls()  # skip init: a single process needs no backend at all
-        return cls(mx.distributed.init())
+        return cls(mlx_core().distributed.init())
 
     def gather(self, frame: bytes) -> list[bytes]:
         """Every rank's ``frame``, in rank order, on every rank (two ``all_gather`` calls)."""
         if self.size == 1:
             return [frame]
+        mx = mlx_core()
         try:
             # The CPU stream: the ring and MPI backends move host memory.
             lengths = mx.distributed.all_gather(mx.array([len(frame)], mx.int32), stream=mx.cpu)
@@ -197,9 +190,9 @@ def _frame(events: list[Event], end: bool, stop: int, at: int | None) -> bytes:
 
 def run(
     records: Iterable[Record | BadRecord],
-    engine: Engine,
+    engine: EngineLike,
     ranks: Ranks,
-    should_stop: Callable[[], bool],
+    should_stop: ShouldStop,
     signal_number: Callable[[], int | None],
     batch: int = 1,
     ordered: bool = True,

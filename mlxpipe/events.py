@@ -41,7 +41,7 @@ reached", …), never a ``done``.
 
 Every record of the input gets exactly one ``done`` or ``error`` line, in input order (``--unordered``
 keeps the one line, not the order). ``id`` is a string or an integer, and ``file`` and ``line`` name
-where an error's record came from (see :mod:`mlxpipe.io` for what input is refused). Each line is written
+where an error's record came from (see :mod:`mlxpipe.reader` for what input is refused). Each line is written
 with one write and flushed. With ``--resume FILE`` the ``done`` and ``error`` lines are appended to FILE
 instead of stdout, except ``done`` lines of interrupted records (see :mod:`mlxpipe.resume`).
 """
@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 
 def _dumps(obj: dict[str, Any]) -> str:
@@ -124,6 +124,19 @@ class Done:
         return _dumps(self.to_dict())
 
 
+class _Located(Protocol):
+    """Where a record came from: a record or a bad record (see :mod:`mlxpipe.records`)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def id(self) -> Any: ...
+    @property
+    def file(self) -> str: ...
+    @property
+    def line(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Error:
     """A record that could not be processed; the run goes on with the next one."""
@@ -134,6 +147,11 @@ class Error:
     file: str
     line: int
     error: str
+
+    @classmethod
+    def about(cls, record: _Located, error: str) -> Error:
+        """The error event of ``record``."""
+        return cls(record.index, record.id, record.file, record.line, error)
 
     def to_dict(self) -> dict[str, Any]:
         return {"event": self.kind, "id": self.id, "file": self.file, "line": self.line, "error": self.error}

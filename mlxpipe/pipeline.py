@@ -16,25 +16,19 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import TYPE_CHECKING
 
+from .errors import RecordError, failure
 from .events import FINAL_EVENTS, Error, Event
-from .io import BadRecord, Record
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .interface import EngineLike, ShouldStop, never
+from .records import BadRecord, Record
 
 POLL_SECONDS = 0.1  # how often a wait for input checks should_stop
 
 
-def _never() -> bool:
-    return False
-
-
 def run(
     records: Iterable[Record | BadRecord],
-    engine: Engine,
-    should_stop: Callable[[], bool] = _never,
+    engine: EngineLike,
+    should_stop: ShouldStop = never,
     *,
     batch: int = 1,
     ordered: bool = True,
@@ -50,36 +44,27 @@ def run(
     if batch > 1:
         yield from _run_batched(records, engine, should_stop, batch, ordered)
         return
-    from .engine import RecordError
-
     for record in records:
         if should_stop():
             return
         if isinstance(record, BadRecord):
-            yield Error(record.index, record.id, record.file, record.line, record.error)
+            yield Error.about(record, record.error)
             continue
         try:
             yield from engine.generate(record, should_stop)
         except RecordError as exc:
-            yield Error(record.index, record.id, record.file, record.line, str(exc))
+            yield Error.about(record, str(exc))
         except Exception as exc:  # one record the model chokes on must not end a long batch job
-            yield Error(record.index, record.id, record.file, record.line, _failure(exc))
-
-
-def _failure(exc: Exception) -> str:
-    """An unexpected exception as a one-line error message."""
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+            yield Error.about(record, failure(exc))
 
 
 def _run_batched(
     records: Iterable[Record | BadRecord],
-    engine: Engine,
-    should_stop: Callable[[], bool],
+    engine: EngineLike,
+    should_stop: ShouldStop,
     size: int,
     ordered: bool,
 ) -> Generator[Event, None, None]:
-    from .engine import RecordError
-
     # Read-ahead is bounded: `size` records queued, `size` in flight and, in order mode, at most `size`
     # finished ones held behind a slower older record.
     feed = _Prefetch(records, size)
@@ -103,14 +88,14 @@ def _run_batched(
                 if order is not None:
                     order.admit(item.index)
                 if isinstance(item, BadRecord):
-                    yield from emit([Error(item.index, item.id, item.file, item.line, item.error)])
+                    yield from emit([Error.about(item, item.error)])
                     continue
                 try:
                     session.add(item)
                 except RecordError as exc:
-                    yield from emit([Error(item.index, item.id, item.file, item.line, str(exc))])
+                    yield from emit([Error.about(item, str(exc))])
                 except Exception as exc:  # as in sequential mode: one bad record does not end the job
-                    yield from emit([Error(item.index, item.id, item.file, item.line, _failure(exc))])
+                    yield from emit([Error.about(item, failure(exc))])
             if should_stop():
                 yield from emit(session.interrupt())
                 return

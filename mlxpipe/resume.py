@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from .io import UsageError
+from .errors import UsageError
 
 try:  # not on Windows; there the lock is simply not taken
     import fcntl
@@ -69,6 +70,13 @@ class ResumeFile:
             os.close(fd)
             raise
         return cls(path, out, done, size - good_end)
+
+    def share(self, broadcast: Callable[[bytes], bytes]) -> None:
+        """Under ``mlx.launch``: take rank 0's done ids (every rank must skip the same records).
+
+        ``broadcast`` gives rank 0's bytes on every rank (:func:`mlxpipe.distributed.broadcast`).
+        """
+        self.done = set(json.loads(broadcast(json.dumps(sorted(self.done)).encode())))
 
     def is_done(self, rid: Any) -> bool:
         """Whether the record with id ``rid`` already has a done line in the file."""

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from mlxpipe.events import Chunk, Done
-from mlxpipe.io import Record
+from mlxpipe.records import Record
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,13 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import FakeEngine
 
-from mlxpipe.io import Record
+from mlxpipe.records import Record
 
 DELAY = float(os.environ.get("FAKE_DELAY", "0"))
-
-
-class RecordError(ValueError):
-    """Stands in for mlxpipe.engine.RecordError."""
 
 
 class Engine(FakeEngine):
@@ -56,10 +52,9 @@ class Engine(FakeEngine):
 
 fake = types.ModuleType("mlxpipe.engine")
 fake.Engine = Engine  # type: ignore[attr-defined]
-fake.RecordError = RecordError  # type: ignore[attr-defined]
 sys.modules["mlxpipe.engine"] = fake
 
-from mlxpipe.cli import main  # noqa: E402
+from mlxpipe.cli.main import main  # noqa: E402
 
 
 class Sink(io.RawIOBase):

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlxpipe.events import FINAL_EVENTS, Chunk, Done, Error
-from mlxpipe.io import BadRecord, Record, Settings
 from mlxpipe.pipeline import _InputOrder, run
+from mlxpipe.records import BadRecord, Record, Settings
 
 PARIS = "What is the capital of France?"
 PROMPTS = [PARIS, "Say hello.", "Name three colours.", "What is 2+2?", "Name a fruit."]
@@ -270,7 +270,7 @@ def test_logits_processors_see_the_whole_prompt_when_a_prefix_is_reused(engine, 
     # sequential path must still show it every prompt token, as the batched path does (all_tokens).
     from dataclasses import replace
 
-    from mlxpipe.io import records_from_objects
+    from mlxpipe.reader import records_from_objects
 
     seen: list[list[int]] = []
 
@@ -295,8 +295,8 @@ def test_prompts_are_read_in_chunks_of_the_backends_prefill_step(engine, monkeyp
     # read long prompts faster than mlx-lm's 2048 (bench/prefill.py). Both paths get the same step.
     import mlx.core as mx
 
-    from mlxpipe import engine as engine_module
-    from mlxpipe.io import records_from_objects
+    from mlxpipe.engine import engine as engine_module
+    from mlxpipe.reader import records_from_objects
 
     assert engine.prefill_step == (256 if mx.default_device() == mx.cpu else 2048)
     seen: dict[str, Any] = {}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from conftest import REPO, cli_env, run_cli
 
-from mlxpipe import blas
+from mlxpipe.cpu import blas
 
 REFERENCE = "/venv/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
 CMEEL = ("cmeel-openblas", "/venv/site-packages/cmeel.prefix/lib/libopenblas.so.0")

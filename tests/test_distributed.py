@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 from conftest import REPO, FakeEngine, cli_env, ring_port
 
-from mlxpipe import distributed, io
-from mlxpipe.cli import Renderer
+from mlxpipe import distributed
+from mlxpipe.cli.render import Renderer
 from mlxpipe.events import FINAL_EVENTS, Chunk, Done, Error, Event
 from mlxpipe.pipeline import run
+from mlxpipe.reader import InputFormat, RecordReader
+from mlxpipe.records import BadRecord, Record, Settings
 
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
 
@@ -37,8 +39,8 @@ PROMPTS = [
 ]
 
 
-def _records(data: bytes, jsonl: bool = False, name: str = "in") -> list[io.Record | io.BadRecord]:
-    reader = io.RecordReader(io.InputFormat(jsonl=jsonl), io.Settings(max_tokens=6, raw=True))
+def _records(data: bytes, jsonl: bool = False, name: str = "in") -> list[Record | BadRecord]:
+    reader = RecordReader(InputFormat(jsonl=jsonl), Settings(max_tokens=6, raw=True))
     return list(reader.read(name, stdio.BytesIO(data)))
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_cli
 
-from mlxpipe import docs, events
+from mlxpipe import events
+from mlxpipe.cli import docs
 
 MAN = REPO / "man" / "mlxpipe.1"
 README = REPO / "README.md"
@@ -47,7 +48,7 @@ def readme_flags() -> set[str]:
 
 
 def test_generated_regions_are_current() -> None:
-    assert docs.stale() == [], "option docs are stale: run `python -m mlxpipe.docs` (or `make docs`)"
+    assert docs.stale() == [], "option docs are stale: run `python -m mlxpipe.cli.docs` (or `make docs`)"
 
 
 def test_every_option_in_help_is_in_man_page_and_readme_and_back() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from conftest import run_cli
 
-from mlxpipe import blas
+from mlxpipe.cpu import blas
 
 pytestmark = pytest.mark.model
 
@@ -30,14 +30,14 @@ def test_float32_greedy_answer_matches_the_quantized_one() -> None:
 
 
 def test_auto_on_cpu_is_float32_unless_memory_is_short(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxpipe import engine as engine_module
+    from mlxpipe.engine import dtype as engine_module
 
-    monkeypatch.setattr(engine_module, "_accelerator", lambda: None)
+    monkeypatch.setattr(engine_module, "accelerator", lambda: None)
     fast = blas.BlasChoice("/lib/libopenblas.so.0", "cmeel-openblas", "loaded before mlx")
     monkeypatch.setattr(blas, "_choice", fast)
     assert engine_module.choose_dtype(engine.model, "auto")[0] == "float32"
     # 135M weights in float32 are ~540 MB: with 800 MB free they do not fit in half.
-    monkeypatch.setattr(engine_module, "_available_memory", lambda: 800_000_000)
+    monkeypatch.setattr(engine_module, "available_memory", lambda: 800_000_000)
     used, reason = engine_module.choose_dtype(engine.model, "auto")
     assert used == "quantized" and "memory" in reason
     assert engine_module.choose_dtype(engine.model, "float16") == ("float16", "asked for with --dtype")
@@ -45,9 +45,9 @@ def test_auto_on_cpu_is_float32_unless_memory_is_short(engine: Any, monkeypatch:
 
 def test_auto_on_cpu_is_float32_with_reference_blas(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # Measured (bench/RESULTS.md): float32 beat mlx's quantized CPU kernels even without OpenBLAS.
-    from mlxpipe import engine as engine_module
+    from mlxpipe.engine import dtype as engine_module
 
-    monkeypatch.setattr(engine_module, "_accelerator", lambda: None)
+    monkeypatch.setattr(engine_module, "accelerator", lambda: None)
     slow = blas.BlasChoice(None, "mlx", "turned off by MLXPIPE_BLAS=off", reference=True)
     monkeypatch.setattr(blas, "_choice", slow)
     used, reason = engine_module.choose_dtype(engine.model, "auto")
@@ -55,33 +55,33 @@ def test_auto_on_cpu_is_float32_with_reference_blas(engine: Any, monkeypatch: py
 
 
 def test_auto_on_a_gpu_keeps_quantized_weights(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxpipe import engine as engine_module
+    from mlxpipe.engine import dtype as engine_module
 
-    monkeypatch.setattr(engine_module, "_accelerator", lambda: "metal")
+    monkeypatch.setattr(engine_module, "accelerator", lambda: "metal")
     assert engine_module.choose_dtype(engine.model, "auto")[0] == "quantized"
 
 
 def test_parameter_count_counts_packed_values(engine: Any) -> None:
-    from mlxpipe import engine as engine_module
+    from mlxpipe.engine import dtype as engine_module
 
     # The same count whether the weights are packed 4-bit words or float32 values.
-    assert abs(engine_module._parameter_count(engine.model) - 134_515_008) < 1_000_000
+    assert abs(engine_module.parameter_count(engine.model) - 134_515_008) < 1_000_000
 
 
 def test_auto_on_cuda_batches_in_bfloat16_when_it_fits_in_gpu_memory(
     engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mlxpipe import engine as engine_module
+    from mlxpipe.engine import dtype as engine_module
 
-    monkeypatch.setattr(engine_module, "_accelerator", lambda: "cuda")
-    monkeypatch.setattr(engine_module, "_gpu_memory", lambda: 140_000_000_000)
+    monkeypatch.setattr(engine_module, "accelerator", lambda: "cuda")
+    monkeypatch.setattr(engine_module, "gpu_memory", lambda: 140_000_000_000)
     assert engine_module.choose_dtype(engine.model, "auto")[0] == "quantized"  # one stream
     assert engine_module.choose_dtype(engine.model, "auto", batch=8)[0] == "bfloat16"
     # 135M weights in bfloat16 are ~270 MB: with 400 MB of GPU memory free they do not fit in half.
-    monkeypatch.setattr(engine_module, "_gpu_memory", lambda: 400_000_000)
+    monkeypatch.setattr(engine_module, "gpu_memory", lambda: 400_000_000)
     used, reason = engine_module.choose_dtype(engine.model, "auto", batch=8)
     assert used == "quantized" and "GPU memory" in reason
-    monkeypatch.setattr(engine_module, "_accelerator", lambda: "metal")
+    monkeypatch.setattr(engine_module, "accelerator", lambda: "metal")
     assert engine_module.choose_dtype(engine.model, "auto", batch=8)[0] == "quantized"
 
 
@@ -91,7 +91,7 @@ def test_quantized_weights_on_a_gpu_compute_in_bfloat16(monkeypatch: pytest.Monk
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    from mlxpipe import engine as engine_module
+    from mlxpipe.engine import dtype as engine_module
 
     def tiny() -> Any:
         args = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128}
@@ -103,9 +103,9 @@ def test_quantized_weights_on_a_gpu_compute_in_bfloat16(monkeypatch: pytest.Monk
     def dtypes(model: Any) -> set[Any]:
         return {v.dtype for _, v in tree_flatten(model.parameters())}
 
-    monkeypatch.setattr(engine_module, "_accelerator", lambda: None)
+    monkeypatch.setattr(engine_module, "accelerator", lambda: None)
     assert dtypes(engine_module.apply_dtype(tiny(), "quantized")) == {mx.uint32, mx.float32}
-    monkeypatch.setattr(engine_module, "_accelerator", lambda: "cuda")
+    monkeypatch.setattr(engine_module, "accelerator", lambda: "cuda")
     model = engine_module.apply_dtype(tiny(), "quantized")
     assert dtypes(model) == {mx.uint32, mx.bfloat16}  # packed weights kept; scales, biases and norms 16-bit
     assert model(mx.array([[1, 2, 3]])).dtype == mx.bfloat16

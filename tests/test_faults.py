@@ -192,7 +192,8 @@ def test_template_reaches_only_plain_field_names(template: str) -> None:
 
 def test_record_text_is_never_evaluated(engine) -> None:
     """Braces and Jinja in a record stay literal text, in a template field and in chat messages."""
-    from mlxpipe.io import InputFormat, RecordReader, Settings, Template
+    from mlxpipe.reader import InputFormat, RecordReader
+    from mlxpipe.records import Settings, Template
 
     fmt = InputFormat(jsonl=True, template=Template.parse("Say: {text}"))
     payload = "{__class__} {0} {{ 7*7 }} {% raw %}"

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import REPO, cli_env
 
-from mlxpipe import blas, gemv
+from mlxpipe.cpu import blas, gemv
 
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
 
@@ -71,7 +71,7 @@ def test_forwarding_sgemm_matches_numpy_for_every_layout(
 
 _THROUGH_MLX = """
 import json, numpy as np
-from mlxpipe import blas
+from mlxpipe.cpu import blas
 choice = blas.setup()
 import mlx.core as mx
 rng = np.random.default_rng(3)

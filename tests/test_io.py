@@ -8,9 +8,12 @@ import json
 import pytest
 
 from mlxpipe import cli
+from mlxpipe.cli.render import Renderer
+from mlxpipe.errors import UsageError
 from mlxpipe.events import Chunk, Done, Error
-from mlxpipe.io import BadRecord, InputFormat, Record, RecordReader, Settings, Template, UsageError
 from mlxpipe.pipeline import run
+from mlxpipe.reader import InputFormat, RecordReader
+from mlxpipe.records import BadRecord, Record, Settings, Template
 
 
 def read(data: bytes, **fmt) -> list[Record | BadRecord]:
@@ -101,7 +104,7 @@ def test_pipeline_gives_one_final_event_per_record_in_order(fake_engine) -> None
 def render(events, **kw) -> bytes:
     out = stdio.BytesIO()
     opts = {"jsonl": False, "stream": True, "one_line": False, "null": False} | kw
-    r = cli.Renderer(out, **opts)
+    r = Renderer(out, **opts)
     for e in events:
         r.write(e)
     return out.getvalue()

@@ -23,7 +23,8 @@ import pytest
 from conftest import cli_env
 
 from mlxpipe import models
-from mlxpipe.models import ModelError, ModelSource, cache_dir, convert_gguf, describe, materialize, resolve
+from mlxpipe.models import ModelError, ModelSource, cache, convert_gguf, describe, materialize, resolve
+from mlxpipe.paths import cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 UNICODE_TEXT = "Café naïve façade, Ærøskøbing — 東京は晴れ、北京欢迎你 🌸👩‍👩‍👧🇫🇷 ünïcödé!\n\tdone."
@@ -219,12 +220,12 @@ def test_lost_race_uses_winner_and_cleans_up(
     def racing_convert(gguf_path: Path, out_dir: Path) -> None:
         # Another process publishes the same target while we are still converting.
         _fake_convert(gguf_path, out_dir)
-        target = out_dir.parent / f"m-{models._cache_key(gguf_path)[:20]}"
+        target = out_dir.parent / f"m-{cache._cache_key(gguf_path)[:20]}"
         _fake_convert(gguf_path, target)
         (target / "winner").write_text("")
         winner.append(target)
 
-    monkeypatch.setattr(models, "convert_gguf", racing_convert)
+    monkeypatch.setattr(cache, "convert_gguf", racing_convert)
     folder = Path(materialize(resolve(str(gguf))))
     assert [folder] == winner and (folder / "winner").exists()
     assert _temps(isolated_cache) == []
@@ -241,7 +242,7 @@ def test_stale_temps_are_removed(
     os.utime(old, (two_hours_ago, two_hours_ago))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(models, "convert_gguf", _fake_convert)
+    monkeypatch.setattr(cache, "convert_gguf", _fake_convert)
     materialize(resolve(str(gguf)))
     assert not old.exists() and fresh.exists()
 

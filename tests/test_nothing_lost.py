@@ -20,10 +20,11 @@ from conftest import REPO, FakeEngine, cli_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlxpipe.cli import Renderer
+from mlxpipe.cli.render import Renderer
 from mlxpipe.events import Done, Error
-from mlxpipe.io import InputFormat, RecordReader, Settings
 from mlxpipe.pipeline import run
+from mlxpipe.reader import InputFormat, RecordReader
+from mlxpipe.records import Settings
 
 FAKECLI = [sys.executable, str(REPO / "tests" / "fakecli.py")]
 

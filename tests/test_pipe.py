@@ -188,7 +188,7 @@ def test_raw_system_and_messages() -> None:
 def test_system_prompt_goes_into_the_chat_template(engine) -> None:
     from dataclasses import replace
 
-    from mlxpipe.io import records_from_objects
+    from mlxpipe.reader import records_from_objects
 
     (rec,) = records_from_objects([PARIS])
     with_system = replace(rec, settings=replace(rec.settings, system="Always answer in French."))

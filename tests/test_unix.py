@@ -25,9 +25,9 @@ import pytest
 from conftest import MLXPIPE, REPO, cli_env, run_cli, start_cli
 
 from mlxpipe import __version__
-from mlxpipe.cli import Interrupts
-from mlxpipe.io import BadRecord
-from mlxpipe.term import Console, count_records
+from mlxpipe.cli.signals import Interrupts
+from mlxpipe.cli.term import Console, count_records
+from mlxpipe.records import BadRecord
 
 RED_ERROR = b"mlxpipe: \x1b[1;31merror\x1b[0m"
 

@@ -1,4 +1,4 @@
-"""The CPU fast paths (mlxpipe/cpu_fast.py): the swapped layers compute what mx.fast computes.
+"""The CPU fast paths (mlxpipe/layers.py): the swapped layers compute what mx.fast computes.
 
 Unit tests on random inputs against ``mx.fast`` itself, then the real model with and without the swaps.
 """
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import cli_env, run_cli
 
-from mlxpipe import cpu_fast  # first: it loads the BLAS before mlx is first imported in this process
+from mlxpipe.cpu import layers  # first: the cpu package loads the BLAS before mlx is first imported
 
 # isort: split
 import mlx.core as mx
@@ -54,7 +54,7 @@ def test_rms_norm_matches_mx_fast(dtype: Any, shape: tuple[int, ...]) -> None:
     x = (mx.random.normal(shape) * 3).astype(dtype)
     plain = nn.RMSNorm(shape[-1], eps=1e-6)
     plain.weight = mx.random.normal((shape[-1],)).astype(dtype)
-    fast = cpu_fast.FastRMSNorm(shape[-1], eps=1e-6)
+    fast = layers.FastRMSNorm(shape[-1], eps=1e-6)
     fast.weight = plain.weight
     assert _close(fast(x), plain(x), dtype)
 
@@ -72,7 +72,7 @@ def test_rope_matches_mx_fast(dtype: Any, traditional: bool, dims: int, width: i
         x = mx.random.normal((3, 9, tokens, width)).astype(dtype)
         for base, scale in ((1e5, 1.0), (1e4, 0.3)):
             plain = nn.RoPE(dims, traditional=traditional, base=base, scale=scale)
-            fast = cpu_fast.FastRoPE(dims, traditional=traditional, base=base, scale=scale)
+            fast = layers.FastRoPE(dims, traditional=traditional, base=base, scale=scale)
             assert _close(fast(x, offset), plain(x, offset), dtype), (tokens, base, scale)
 
 
@@ -90,11 +90,11 @@ def test_swiglu_is_within_float32_rounding_of_silu(dtype: Any) -> None:
     )
     exact = g / (1 + np.exp(-g)) * u
     scale = np.abs(u) * np.maximum(np.abs(g), 1)  # an error relative to the larger of the two factors
-    fast = np.array(cpu_fast.swiglu(gate, x).astype(mx.float32), dtype=np.float64)
+    fast = np.array(layers.swiglu(gate, x).astype(mx.float32), dtype=np.float64)
     plain = np.array((nn.silu(gate) * x).astype(mx.float32), dtype=np.float64)
     plain_err = (np.abs(plain - exact) / scale).max()
     assert (np.abs(fast - exact) / scale).max() <= max(3 * plain_err, 5e-7)
-    assert cpu_fast.swiglu(gate, x).dtype == dtype
+    assert layers.swiglu(gate, x).dtype == dtype
 
 
 class _MLP(nn.Module):
@@ -109,16 +109,16 @@ class _MLP(nn.Module):
 
 
 def test_apply_gives_registered_mlps_the_fast_swiglu_and_reverts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_fast, "SWIGLU_MLPS", {_MLP})
+    monkeypatch.setattr(layers, "SWIGLU_MLPS", {_MLP})
     model = nn.Sequential(_MLP(), nn.RMSNorm(8))
     x = mx.random.normal((2, 3, 8), key=mx.random.key(4))
     plain = model(x)
-    assert cpu_fast.apply(model, ["swiglu"]) == ["swiglu"]
+    assert layers.apply(model, ["swiglu"]) == ["swiglu"]
     assert isinstance(model.layers[0], _MLP) and type(model.layers[0]) is not _MLP
     assert type(model.layers[1]) is nn.RMSNorm
     assert mx.allclose(model(x), plain, rtol=1e-5, atol=1e-6).item()
-    assert cpu_fast.apply(model, ["swiglu"]) == []  # already swapped
-    cpu_fast.revert(model)
+    assert layers.apply(model, ["swiglu"]) == []  # already swapped
+    layers.revert(model)
     assert type(model.layers[0]) is _MLP and mx.array_equal(model(x), plain).item()
 
 
@@ -134,31 +134,31 @@ class _Layer(nn.Module):
 
 
 def test_registered_layers_hand_their_output_to_mlx_and_revert(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_fast, "DECODER_LAYERS", {_Layer})
+    monkeypatch.setattr(layers, "DECODER_LAYERS", {_Layer})
     model = nn.Sequential(_Layer(), _Layer(), _Layer())
     x = mx.random.normal((1, 2, 8), key=mx.random.key(5))
     plain = model(x)
     started: list[mx.array] = []
     async_eval = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: (started.extend(arrays), async_eval(*arrays)))
-    assert cpu_fast.apply(model, ["eval_per_layer", "swiglu"]) == ["eval_per_layer"]  # no MLP registered
+    assert layers.apply(model, ["eval_per_layer", "swiglu"]) == ["eval_per_layer"]  # no MLP registered
     out = model(x)
     assert len(started) == 3 and started[-1] is out  # each layer's output, as soon as it was built
     assert mx.array_equal(out, plain).item()  # the same numbers, only computed sooner
-    cpu_fast.revert(model)
+    layers.revert(model)
     assert all(type(layer) is _Layer for layer in model.layers)
     started.clear()
     assert mx.array_equal(model(x), plain).item() and started == []
 
 
 def test_rope_is_traced_once_for_every_position() -> None:
-    rope = cpu_fast.FastRoPE(64, traditional=True, base=1e5)
+    rope = layers.FastRoPE(64, traditional=True, base=1e5)
     x = mx.random.normal((1, 9, 1, 64))
     mx.eval(rope(x, 0))
-    before = cpu_fast.traces["rope"]
+    before = layers.traces["rope"]
     for offset in range(1, 20):
         mx.eval(rope(x, offset))
-    assert cpu_fast.traces["rope"] == before  # a retrace per decode step would cost more than it saves
+    assert layers.traces["rope"] == before  # a retrace per decode step would cost more than it saves
 
 
 class _Tiny(nn.Module):
@@ -173,24 +173,24 @@ class _Tiny(nn.Module):
 def test_apply_swaps_exact_classes_keeps_weights_and_reverts() -> None:
     model = _Tiny()
     model.layers[1].weight = mx.arange(8, dtype=mx.float32)
-    assert cpu_fast.apply(model, ["rope"]) == ["rope"]
-    assert type(model.layers[0]) is nn.RMSNorm and isinstance(model.rope, cpu_fast.FastRoPE)
-    assert cpu_fast.apply(model) == ["rms_norm"]  # the RoPE is already swapped
-    assert all(isinstance(m, cpu_fast.FastRMSNorm) for m in model.layers)
+    assert layers.apply(model, ["rope"]) == ["rope"]
+    assert type(model.layers[0]) is nn.RMSNorm and isinstance(model.rope, layers.FastRoPE)
+    assert layers.apply(model) == ["rms_norm"]  # the RoPE is already swapped
+    assert all(isinstance(m, layers.FastRMSNorm) for m in model.layers)
     assert model.layers[1].eps == 1e-3 and model.layers[1].weight.tolist() == list(range(8))
     assert (model.rope.dims, model.rope.traditional, model.rope.base) == (8, True, 500)
     assert type(model.scaled) is Llama3RoPE and type(model.norm) is nn.LayerNorm
     assert len(model.parameters()["layers"]) == 2 and "_inv_freqs" not in model.rope.parameters()
-    cpu_fast.revert(model)
+    layers.revert(model)
     assert type(model.layers[1]) is nn.RMSNorm and model.layers[1].eps == 1e-3 and type(model.rope) is nn.RoPE
 
 
 def test_switch() -> None:
-    assert cpu_fast.enabled()
+    assert layers.enabled()
     for off in ("off", "0", "OFF", "no"):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(cpu_fast.ENV, off)
-            assert not cpu_fast.enabled()
+            mp.setenv(layers.ENV, off)
+            assert not layers.enabled()
 
 
 # ---- the real embedded model ----------------------------------------------------------------------------
@@ -204,10 +204,10 @@ def test_logits_agree_with_and_without_the_swaps(engine: Any) -> None:
     prompt = mx.array([tokens])
     try:
         fast = engine.model(prompt)
-        cpu_fast.revert(engine.model)
+        layers.revert(engine.model)
         plain = engine.model(prompt)
     finally:
-        cpu_fast.apply(engine.model, engine.cpu_fast_paths)
+        layers.apply(engine.model, engine.cpu_fast_paths)
     # RMSNorm and RoPE are bit for bit equal on this CPU, the SwiGLU within float32 rounding: allow that
     # over 30 layers.
     assert mx.allclose(fast, plain, rtol=1e-4, atol=1e-4).item()
@@ -215,7 +215,7 @@ def test_logits_agree_with_and_without_the_swaps(engine: Any) -> None:
 
 
 def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
-    env = cli_env() if fast else cli_env(**{cpu_fast.ENV: "off"})
+    env = cli_env() if fast else cli_env(**{layers.ENV: "off"})
     r = run_cli(["--jsonl", "--no-stream", *args], input=lines, env=env)
     assert r.returncode == 0 and r.stderr == b"", r.stderr
     return [json.loads(line)["text"] for line in r.stdout.decode().splitlines()]
@@ -226,7 +226,7 @@ def test_model_info_reports_the_fast_paths() -> None:
     info = json.loads(run_cli(["--model-info"]).stdout)
     on_cpu = info["device"].startswith("Device(cpu")
     assert info["cpu_fast_paths"] == (["eval_per_layer", "rms_norm", "rope", "swiglu"] if on_cpu else [])
-    off = json.loads(run_cli(["--model-info"], env=cli_env(**{cpu_fast.ENV: "off"})).stdout)
+    off = json.loads(run_cli(["--model-info"], env=cli_env(**{layers.ENV: "off"})).stdout)
     assert off["cpu_fast_paths"] == []
 
 

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from . import __version__
+from .. import __version__
+from ..interface import DTYPES
 
 GROUPS = {
     "input": "Input",
@@ -315,7 +316,7 @@ OPTIONS: tuple[Option, ...] = (
         "allows, with an optimized BLAS on Linux; on CUDA with --batch bfloat16 when GPU memory allows; "
         "otherwise on a GPU the quantized weights as loaded).",
         metavar="TYPE",
-        choices=("auto", "float32", "float16", "bfloat16", "quantized"),
+        choices=DTYPES,
         default="auto",
     ),
     Option(

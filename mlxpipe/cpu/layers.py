@@ -14,27 +14,22 @@ Used by :mod:`mlxpipe.engine` only, and only on a CPU: on Metal and CUDA ``mx.fa
 ``MLXPIPE_CPU_FAST=off`` turns it off. Measurements: bench/RESULTS.md (issue 7).
 """
 
-# ruff: noqa: E402  (blas.setup() has to run before the first import of mlx)
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
 from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Any
-
-from . import blas
-
-blas.setup()  # before mlx is first imported: it decides which BLAS mlx's matmuls bind to
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.normalization import RMSNorm
 from mlx.nn.layers.positional_encoding import RoPE
 
+from .switches import turned_off
+
 ENV = "MLXPIPE_CPU_FAST"
-_OFF = {"off", "0", "no", "false", "none"}
 KINDS = ("rms_norm", "rope", "swiglu", "eval_per_layer")
 
 # How often mx.compile traced each fast path (it retraces on new shapes only, never per position).
@@ -43,7 +38,7 @@ traces: Counter[str] = Counter()
 
 def enabled() -> bool:
     """False when ``MLXPIPE_CPU_FAST`` turns the fast paths off."""
-    return os.environ.get(ENV, "").strip().lower() not in _OFF
+    return not turned_off(ENV)
 
 
 @cache

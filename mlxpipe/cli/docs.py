@@ -1,7 +1,7 @@
 """Produce the man page's OPTIONS section and the README's option table from :data:`~mlxpipe.options.OPTIONS`.
 
-``python -m mlxpipe.docs`` rewrites the text between the marker comments in ``man/mlxpipe.1`` and
-``README.md``; ``python -m mlxpipe.docs --check`` only reports (exit 1) which of them is stale.
+``python -m mlxpipe.cli.docs`` rewrites the text between the marker comments in ``man/mlxpipe.1`` and
+``README.md``; ``python -m mlxpipe.cli.docs --check`` only reports (exit 1) which of them is stale.
 Everything outside the markers is written by hand.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from .options import GROUPS, OPTIONS, Option
 
-ROOT = Path(__file__).resolve().parents[1]
-REGENERATE = "python -m mlxpipe.docs"
+ROOT = Path(__file__).resolve().parents[2]
+REGENERATE = "python -m mlxpipe.cli.docs"
 
 
 @dataclass(frozen=True)
@@ -90,13 +90,13 @@ def readme_options() -> str:
 TARGETS = (
     Target(
         ROOT / "man" / "mlxpipe.1",
-        f'.\\" BEGIN GENERATED OPTIONS: edit mlxpipe/options.py, then run {REGENERATE}',
+        f'.\\" BEGIN GENERATED OPTIONS: edit mlxpipe/cli/options.py, then run {REGENERATE}',
         '.\\" END GENERATED OPTIONS',
         man_options,
     ),
     Target(
         ROOT / "README.md",
-        f"<!-- BEGIN GENERATED OPTIONS: edit mlxpipe/options.py, then run {REGENERATE} -->",
+        f"<!-- BEGIN GENERATED OPTIONS: edit mlxpipe/cli/options.py, then run {REGENERATE} -->",
         "<!-- END GENERATED OPTIONS -->",
         readme_options,
     ),

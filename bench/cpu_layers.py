@@ -1,6 +1,6 @@
-"""The CPU fast paths (mlxpipe/cpu_fast.py) on and off, side by side in one process: decode step and stream.
+"""The CPU fast paths (mlxpipe/cpu/layers.py) on and off, side by side in one process: decode step and stream.
 
-    flock -x /tmp/mlxpipe-cpu.lock python bench/cpu_fast.py [--batch 1,16] [--steps 32] [--rounds 3]
+    flock -x /tmp/mlxpipe-cpu.lock python bench/cpu_layers.py [--batch 1,16] [--steps 32] [--rounds 3]
 
 Loads the embedded model once (``--dtype auto``: float32 on a CPU) and times, alternating the swapped and the
 plain layers round by round (the settings below) so that other load on the CPU falls on both alike:
@@ -9,7 +9,7 @@ plain layers round by round (the settings below) so that other load on the CPU f
   evaluated (min and median over ``--steps`` steps per round, over all rounds);
 - ``mlx_lm.stream_generate`` of ``--steps`` tokens (B=1), its decode rate (best of the rounds).
 
-Settings: plain (mx.fast), each of ``cpu_fast.KINDS`` swapped alone, all of them; each one's speed-up over
+Settings: plain (mx.fast), each of ``layers.KINDS`` swapped alone, all of them; each one's speed-up over
 plain, and whether its greedy tokens equal plain's.
 """
 
@@ -30,17 +30,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from mlxpipe import blas
+    from mlxpipe.cpu import blas
 
     blas.setup()  # before mlx is imported, as mlxpipe.engine does: mlx binds its BLAS on import
     import mlx.core as mx
     import mlx_lm
     from decode_steps import decode_steps
 
-    from mlxpipe import cpu_fast
+    from mlxpipe.cpu import layers
     from mlxpipe.engine import Engine
 
-    os.environ[cpu_fast.ENV] = "off"  # load plain; the rounds below swap the layers in and out
+    os.environ[layers.ENV] = "off"  # load plain; the rounds below swap the layers in and out
     engine = Engine.load(None)
     info = engine.info()
     model, tok = engine.model, engine.tokenizer
@@ -60,15 +60,15 @@ def main() -> int:
         responses = list(mlx_lm.stream_generate(model, tok, tokens, max_tokens=args.steps))
         return float(responses[-1].generation_tps)
 
-    settings = {"plain": (), **{kind: (kind,) for kind in cpu_fast.KINDS}, "all": cpu_fast.KINDS}
+    settings = {"plain": (), **{kind: (kind,) for kind in layers.KINDS}, "all": layers.KINDS}
     batches = [int(b) for b in args.batch.split(",")]
     times: dict[tuple[str, int], list[float]] = {}
     picks: dict[tuple[str, int], list[int]] = {}
     rates: dict[str, list[float]] = {name: [] for name in settings}
     for _ in range(args.rounds):
         for name, kinds in settings.items():
-            cpu_fast.revert(model)
-            cpu_fast.apply(model, kinds)
+            layers.revert(model)
+            layers.apply(model, kinds)
             for batch in batches:
                 steps(batch, 2)  # warm-up: compiles for this batch's shapes
                 t, p = steps(batch, args.steps)

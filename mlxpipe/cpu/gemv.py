@@ -24,12 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .models import cache_dir
+from ..errors import first_line
+from ..paths import cache_dir
+from .switches import setting, turned_off
 
 __all__ = ["ENV", "attach", "detach", "install", "quantized_available", "quantized_calls"]
 
 ENV = "MLXPIPE_GEMV"
-_OFF = {"off", "0", "no", "false", "none"}
 _SOURCE = Path(__file__).with_name("gemv.c")
 _shim: Any = None  # the library in front of the BLAS, once installed
 
@@ -40,9 +41,8 @@ def install(blas: Any) -> str:
     Returns what was done, for ``--model-info``. The caller must load ``blas`` globally afterwards. Never
     raises: any failure leaves mlx calling the BLAS's own ``sgemm``.
     """
-    setting = os.environ.get(ENV, "").strip()
-    if setting.lower() in _OFF:
-        return f"off ({ENV}={setting})"
+    if turned_off(ENV):
+        return f"off ({ENV}={setting(ENV)})"
     try:
         sgemm = ctypes.cast(blas.cblas_sgemm, ctypes.c_void_p)
         sgemv = ctypes.cast(blas.cblas_sgemv, ctypes.c_void_p)
@@ -57,8 +57,7 @@ def install(blas: Any) -> str:
         _shim = _open(path, ctypes.RTLD_GLOBAL)  # promoted now: it comes before the BLAS in the global scope
     except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError) as exc:
         # RuntimeError: the cache folder is under the home folder, and there is none.
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return f"not built: {first}"
+        return f"not built: {first_line(exc)}"
     return "one-row products go to sgemv"
 
 

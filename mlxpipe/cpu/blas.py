@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from . import gemv
+from .switches import OFF, setting
 
 __all__ = ["ENV", "BlasChoice", "choose", "setup", "threads", "use_threads"]
 
 ENV = "MLXPIPE_BLAS"
-_OFF = {"off", "0", "no", "false", "none"}
 
 # Where Debian/Ubuntu, Fedora and Arch put OpenBLAS (the pthread build first: it is the fast default).
 _SYSTEM_PATTERNS = (
@@ -90,17 +90,17 @@ def setup() -> BlasChoice:
 
 def choose() -> BlasChoice:
     """Decide and, if it is worth it, load a BLAS now; :func:`setup` is the cached entry point."""
-    setting = os.environ.get(ENV, "").strip()
+    value = setting(ENV)
     if _platform() != "linux":
         return BlasChoice(None, "mlx", f"not Linux ({_platform()}): mlx's own BLAS")
     reference = _reference_blas()
-    if setting.lower() in _OFF:
-        return BlasChoice(None, "mlx", f"turned off by {ENV}={setting}", reference=reference is not None)
+    if value.lower() in OFF:
+        return BlasChoice(None, "mlx", f"turned off by {ENV}={value}", reference=reference is not None)
     if _mlx_imported():
         reason = "mlx was imported before mlxpipe could load a BLAS"
         return BlasChoice(None, "mlx", reason, reference=reference is not None)
-    if setting and setting.lower() != "auto":
-        return _load_first([(ENV, setting)], f"{ENV}={setting} could not be loaded", reference)
+    if value and value.lower() != "auto":
+        return _load_first([(ENV, value)], f"{ENV}={value} could not be loaded", reference)
     if reference is None:
         return BlasChoice(None, "mlx", "mlx does not bundle the reference BLAS: its own BLAS is used")
     cuda = _cuda_backend()

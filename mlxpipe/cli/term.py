@@ -13,8 +13,8 @@ import sys
 import time
 from typing import IO
 
-from . import io
-from .events import Chunk, Done, Event
+from ..events import Chunk, Done, Event
+from ..reader import split_records
 
 RED_BOLD, RESET = "\033[1;31m", "\033[0m"
 _ERROR = re.compile(r"^(mlxpipe[^:]*: )error\b")  # "mlxpipe[rank 2]: error" too
@@ -37,7 +37,7 @@ def count_records(files: list[str], null: bool, max_bytes: int) -> int | None:
     total = 0
     for name in files:
         with open(name, "rb") as f:
-            total += sum(1 for _, raw in io.split_records(f, sep, max_bytes) if raw is None or raw.strip())
+            total += sum(1 for _, raw in split_records(f, sep, max_bytes) if raw is None or raw.strip())
     return total
 
 
@@ -91,6 +91,7 @@ class Console:
         self.stream = stream or sys.stderr
         self.colour = colour_enabled(self.stream) if colour is None else colour
         self.progress: Progress | None = None
+        self.name = "mlxpipe"  # under mlx.launch, ranks other than 0 name themselves: "mlxpipe[rank 2]"
 
     def start_progress(self, files: list[str], null: bool, max_bytes: int, quiet: bool) -> None:
         """Show progress if stderr is a terminal, stdout is not and ``quiet`` is false."""
@@ -105,6 +106,8 @@ class Console:
 
     def say(self, line: str) -> None:
         """Write one line to stderr; an ``mlxpipe: error`` prefix is coloured when colour is on."""
+        if line.startswith("mlxpipe:") and self.name != "mlxpipe":
+            line = self.name + line.removeprefix("mlxpipe")
         if self.colour:
             line = _ERROR.sub(rf"\1{RED_BOLD}error{RESET}", line, count=1)
         if self.progress is not None:

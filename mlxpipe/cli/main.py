@@ -1,0 +1,257 @@
+"""The command line: parse arguments, run the records, render events, map errors to exit codes.
+
+Data goes to stdout, flushed per chunk; everything else goes to stderr. Exit status: 0 every record
+done, 1 some record failed, 2 usage error, 3 model could not be loaded, 128+signal when interrupted.
+Under ``mlx.launch`` rank 0 writes and carries the job's status; the other ranks answer their share
+(:mod:`mlxpipe.distributed`) and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import ModelError, UsageError
+from ..events import Done, Error
+from ..reader import InputFormat, RecordReader
+from ..resume import ResumeFile
+from . import inputs
+from .options import build_parser
+from .render import Renderer, Stats
+from .signals import Interrupts
+from .term import Console
+
+if TYPE_CHECKING:
+    from ..constrain import Constraint
+    from ..distributed import Ranks
+    from ..engine import Engine
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MODEL = 0, 1, 2, 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run mlxpipe with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    console = Console()
+    try:
+        return _main(argv, console)
+    finally:
+        console.close()
+
+
+def _main(argv: list[str] | None, console: Console) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse has printed help, the version or a usage error
+        return int(exc.code or 0)
+    if args.jsonl:
+        args.in_format = args.out_format = "jsonl"
+    try:
+        if args.unordered and args.out_format != "jsonl":
+            raise UsageError("--unordered needs JSONL output (--out jsonl): text lines carry no id")
+        template = inputs.template(args)
+        constraint = inputs.constraint(args)
+        if args.resume is not None and args.out_format != "jsonl":
+            raise UsageError("--resume needs JSONL output (--out jsonl or --jsonl)")
+    except UsageError as exc:
+        console.say(f"mlxpipe: error: {exc}")
+        return EXIT_USAGE
+
+    from ..distributed import Ranks  # imports mlx: --help and usage errors need not wait for it
+
+    ranks = Ranks.init()
+    if ranks.rank:
+        console.name = f"mlxpipe[rank {ranks.rank}]"
+    started = _start(args, console, ranks)
+    if isinstance(started, int):
+        return started
+    fmt = InputFormat(
+        jsonl=args.in_format == "jsonl",
+        null=args.null,
+        template=template,
+        prompt_key=args.prompt_key,
+        max_line_bytes=args.max_line_bytes,
+    )
+    reader = RecordReader(fmt, inputs.settings(args, constraint))
+    return _run(args, console, ranks, reader, started.resume, constraint)
+
+
+class _Started:
+    """What the checks before the model loads leave for the run."""
+
+    def __init__(self, resume: ResumeFile | None) -> None:
+        self.resume = resume
+
+
+def _helper_rank_done() -> int:
+    """How a rank other than 0 ends: exit 0, since rank 0 carries the job's status.
+
+    mlx.launch stops every rank once one exits non-zero; that SIGTERM is ignored, as rank 0 may still
+    be writing.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return EXIT_OK
+
+
+def _start(args: argparse.Namespace, console: Console, ranks: Ranks) -> _Started | int:
+    """Check the input files and open ``--resume``'s FILE; under mlx.launch, agree on both with every rank.
+
+    Returns an exit status when the run cannot start (rank 0 says why, for the whole job).
+    """
+    from ..distributed import RankLost, broadcast, same_input
+
+    if ranks.size > 1 and (not args.files or "-" in args.files):
+        if ranks.rank:  # the same arguments on every rank: rank 0 says it, and carries the status
+            return _helper_rank_done()
+        console.say(
+            "mlxpipe: error: under mlx.launch give the input as FILE arguments (every rank reads "
+            "them): stdin does not reach the ranks"
+        )
+        return EXIT_USAGE
+    resume: ResumeFile | None = None
+    problem = None
+    try:
+        inputs.check_files(args.files)
+        if args.resume is not None:  # rank 0 reads and writes FILE; under mlx.launch it tells the others
+            resume = ResumeFile.open(args.resume) if ranks.rank == 0 else ResumeFile(args.resume, None)
+            if resume.torn_bytes:
+                console.say(f"mlxpipe: {args.resume}: cut off a torn last line ({resume.torn_bytes} bytes)")
+    except UsageError as exc:
+        problem = str(exc)
+    if ranks.size > 1:  # each host reads its own copy of the files: they must be the same
+        try:
+            problem = same_input(ranks, args.files, problem)
+        except RankLost as exc:
+            problem = f"lost a rank of the mlx.launch job before the start ({exc})"
+        if problem and ranks.rank:  # rank 0 says it for the job, and carries the status
+            return _helper_rank_done()
+    if problem:
+        console.say(f"mlxpipe: error: {problem}")
+        return EXIT_USAGE
+    if resume is not None and ranks.size > 1:  # every rank must skip the same records: rank 0's
+        try:
+            resume.share(lambda data: broadcast(ranks, data))
+        except RankLost as exc:
+            console.say(f"mlxpipe: error: lost a rank of the mlx.launch job before the start ({exc})")
+            return EXIT_FAILED
+    return _Started(resume)
+
+
+def _load(args: argparse.Namespace, console: Console, ranks: Ranks) -> Engine | int:
+    """The engine, or the exit status when the run ends here (a model error, ``--model-info``)."""
+    from ..engine import Engine  # mlx-lm and transformers: slower still
+
+    try:
+        engine = Engine.load(
+            args.model, dtype=args.dtype, batch=args.batch, trust_remote_code=args.trust_remote_code
+        )
+    except ModelError as exc:
+        console.say(f"mlxpipe: error: {exc}")
+        return EXIT_MODEL
+    if args.model_info:
+        if ranks.rank == 0:
+            sys.stdout.write(json.dumps(engine.info(), ensure_ascii=False) + "\n")
+        return EXIT_OK
+    if engine.context_length and args.max_tokens > engine.context_length:
+        console.say(
+            f"mlxpipe: error: --max-tokens {args.max_tokens} is more than the model's context of "
+            f"{engine.context_length} tokens"
+        )
+        return EXIT_USAGE
+    engine.reuse_prefix = not args.no_prefix_cache
+    return engine
+
+
+def _run(
+    args: argparse.Namespace,
+    console: Console,
+    ranks: Ranks,
+    reader: RecordReader,
+    resume: ResumeFile | None,
+    constraint: Constraint | None,
+) -> int:
+    from ..distributed import RankLost, RanksDisagree
+    from ..distributed import run as run_ranks
+    from ..pipeline import run
+
+    interrupts = Interrupts()
+    interrupts.install()
+    stats = Stats()
+    try:
+        engine = _load(args, console, ranks)
+        if isinstance(engine, int):
+            return engine
+        jsonl_out = args.out_format == "jsonl"
+        renderer = Renderer(
+            resume.out if resume is not None and resume.out is not None else sys.stdout.buffer,
+            jsonl=jsonl_out,
+            # Constrained text is printed whole once complete: a cut-short answer never reaches stdout.
+            stream=not args.no_stream and resume is None and (jsonl_out or constraint is None),
+            one_line=args.one_line,
+            null=args.null,
+        )
+        if ranks.rank == 0:
+            console.start_progress(args.files, args.null, args.max_line_bytes, args.quiet)
+        started = time.perf_counter()
+        records = inputs.records(args.files, reader, private_stdin=args.batch > 1)
+        if resume is not None:
+            records = (r for r in records if not resume.is_done(r.id))
+        records = interrupts.guard(records)
+        ordered = not args.unordered
+        if ranks.size > 1:  # under mlx.launch: --batch applies on each rank, to its own share
+            events = run_ranks(
+                records,
+                engine,
+                ranks,
+                interrupts,
+                interrupts.signal_number,
+                batch=args.batch,
+                ordered=ordered,
+            )
+        else:
+            events = run(records, engine, interrupts, batch=args.batch, ordered=ordered)
+        try:
+            for event in events:
+                stats.add(event)
+                if ranks.rank == 0:  # under mlx.launch only rank 0 writes; the others count, for the status
+                    console.track(event)
+                    if isinstance(event, Error):
+                        console.say(event.message())
+                    interrupted = isinstance(event, Done) and event.finish_reason == "interrupted"
+                    if not (resume is not None and interrupted):  # FILE keeps one done per record: redo it
+                        renderer.write(event)
+                if args.fail_fast and isinstance(event, Error):  # every rank sees every event: all stop here
+                    events.close()
+                    break
+        except BrokenPipeError:
+            # The reader went away (`| head`): stop generating, say nothing, succeed.
+            events.close()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_OK
+        except RanksDisagree as exc:
+            console.say(
+                f"mlxpipe: error: the ranks of the mlx.launch job read different records ({exc}); every rank "
+                f"needs the same input (and --resume file); the first {stats.records} records were written"
+            )
+            return EXIT_FAILED
+        except RankLost as exc:
+            console.say(
+                f"mlxpipe: error: lost a rank of the mlx.launch job ({exc}); the first {stats.records} "
+                "records were written, the rest were not: run the job again with --resume to finish it"
+            )
+            return 128 + interrupts.signum if interrupts.signum is not None else EXIT_FAILED
+        if ranks.rank:  # rank 0 carries the job's status, a stop included
+            return _helper_rank_done()
+        console.close()
+        if args.stats:
+            console.say(stats.line(time.perf_counter() - started))
+    except KeyboardInterrupt:
+        pass
+    signum = interrupts.signum or ranks.stop_signal
+    if signum:
+        return 128 + signum
+    return EXIT_FAILED if stats.failed else EXIT_OK

@@ -1,0 +1,77 @@
+"""Events → stdout (text or JSONL, one write per line, flushed) and the totals of ``--stats``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import IO
+
+from ..events import Chunk, Done, Error, Event
+
+__all__ = ["Renderer", "Stats"]
+
+
+@dataclass
+class Stats:
+    """Totals for --stats."""
+
+    records: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    tokens: int = 0
+    peak_memory: int = 0
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, Done):
+            self.records += 1
+            self.prompt_tokens += event.prompt_tokens
+            self.tokens += event.tokens
+            self.peak_memory = max(self.peak_memory, event.peak_memory)
+        elif isinstance(event, Error):
+            self.records += 1
+            self.failed += 1
+
+    def line(self, seconds: float) -> str:
+        tps = self.tokens / seconds if seconds > 0 else 0.0
+        return (
+            f"mlxpipe: {self.records} records, {self.failed} failed, {self.prompt_tokens} prompt tokens, "
+            f"{self.tokens} generated tokens, {tps:.1f} tok/s, peak memory "
+            f"{self.peak_memory / 1e6:.1f} MB, {seconds:.1f} s"
+        )
+
+
+_NEWLINES = re.compile(r"[\r\n]+")
+
+
+class Renderer:
+    """Writes events to stdout as text or JSONL."""
+
+    def __init__(self, out: IO[bytes], *, jsonl: bool, stream: bool, one_line: bool, null: bool) -> None:
+        self.out = out
+        self.jsonl = jsonl
+        self.stream = stream
+        self.one_line = one_line
+        self.end = b"\0" if null else b"\n"
+
+    def write(self, event: Event) -> None:
+        if self.jsonl:
+            if self.stream or not isinstance(event, Chunk):
+                self._emit(event.to_json().encode() + b"\n")
+        elif isinstance(event, Chunk):
+            if self.stream:
+                self._emit(self._text(event.text).encode())
+        elif isinstance(event, Done):
+            self._emit((b"" if self.stream else self._text(event.text).encode()) + self.end)
+        else:  # a failed record still gets its (empty) line, so output line N answers input line N
+            self._emit(self.end)
+
+    def _text(self, text: str) -> str:
+        return _NEWLINES.sub(" ", text) if self.one_line else text
+
+    def _emit(self, data: bytes) -> None:
+        # Whole lines in one write each (a raw file may take less; then the rest follows at once).
+        view = memoryview(data)
+        while view:
+            written = self.out.write(view)
+            view = view[written if written is not None else len(view) :]
+        self.out.flush()

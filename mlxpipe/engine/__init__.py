@@ -1,0 +1,17 @@
+"""The engine: the only room that runs mlx-lm. Records in, typed events (:mod:`mlxpipe.events`) out.
+
+- :mod:`.engine`: :class:`Engine`: load a model, answer one record (``generate``) or open a batch.
+- :mod:`.batch`: :class:`Batch`: many records at once through mlx-lm's ``BatchGenerator``.
+- :mod:`.prompts`: a record → prompt tokens (chat template, context checks); :mod:`.prefix`: shared prefixes'
+  KV caches.
+- :mod:`.sampling`: samplers, logits processors, stop strings; :mod:`.choices`: choice lists scored.
+- :mod:`.dtype`: which type the weights compute in (``--dtype``).
+"""
+
+from .. import cpu  # noqa: F401  (first: on Linux CPUs the BLAS must be loaded before mlx is imported)
+from .batch import Batch
+from .dtype import DTYPES, apply_dtype, choose_dtype
+from .engine import Engine
+from .sampling import StopStrings
+
+__all__ = ["DTYPES", "Batch", "Engine", "StopStrings", "apply_dtype", "choose_dtype"]

@@ -1,0 +1,175 @@
+"""Many records generating together through mlx-lm's ``BatchGenerator`` (continuous batching).
+
+Each record keeps what the sequential path gives it (its own detokenizer, sampler, processors, max tokens,
+stop strings and counts), so its events have the same form as :meth:`.engine.Engine.generate`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from ..errors import RecordError
+from ..events import Chunk, Done, Error
+from ..records import Record
+from .choices import choose
+from .sampling import StopStrings
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["Batch"]
+
+
+@dataclass
+class _Slot:
+    """One record in a batch: everything the sequential path keeps for it."""
+
+    record: Record
+    detokenizer: Any
+    stops: StopStrings
+    prompt_tokens: int
+    inserted: float
+    first: float = 0.0
+    prompt_tps: float = 0.0
+    tokens: int = 0
+    text: list[str] = field(default_factory=list)
+
+
+class Batch:
+    """Records generating together through mlx-lm's ``BatchGenerator`` (continuous batching).
+
+    :meth:`add` a record whenever a slot is free; :meth:`step` advances every record by one token and
+    returns the events that produced, in the same form as :meth:`Engine.generate` (per record: chunks,
+    then one done). Each record keeps its own detokenizer, sampler, stop strings, max tokens and counts.
+    """
+
+    def __init__(self, engine: Engine, size: int) -> None:
+        self.engine = engine
+        self.size = size
+        self._eos = set(engine.tokenizer.eos_token_ids)
+        self._gen = BatchGenerator(
+            engine.model,
+            stop_tokens=[[t] for t in sorted(self._eos)],
+            completion_batch_size=size,
+            prefill_batch_size=size,
+            prefill_step_size=engine.prefill_step,
+        )
+        self._slots: dict[int, _Slot] = {}
+        self._ready: list[Chunk | Done | Error] = []  # events of records answered without decoding (choices)
+        self._ready_records = 0
+
+    def __len__(self) -> int:
+        return len(self._slots) + self._ready_records
+
+    def _take_ready(self) -> list[Chunk | Done | Error]:
+        events, self._ready, self._ready_records = self._ready, [], 0
+        return events
+
+    def add(self, record: Record) -> None:
+        """Start ``record``; raises :class:`RecordError` when it cannot be answered."""
+        s = record.settings
+        tokens = self.engine.encode(record)
+        if s.constraint is not None and s.constraint.kind == "choices":
+            self._ready.extend(choose(self.engine, record, tokens))  # scored at once; no token to decode
+            self._ready_records += 1
+            return
+        inserted = time.perf_counter()
+        cached, cache = self.engine.prefix_for(record, tokens)
+        (uid,) = self._gen.insert(
+            [tokens[cached:]],
+            max_tokens=[s.max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[tokens[:cached]],  # logits processors see the whole prompt, as in sequential mode
+            samplers=[self.engine.sampler_for(record)],
+            logits_processors=[self.engine.processors_for(record)],
+        )
+        detokenizer = self.engine.tokenizer.detokenizer  # a fresh copy per record
+        self._slots[uid] = _Slot(record, detokenizer, StopStrings(s.stop), len(tokens), inserted)
+
+    def step(self) -> list[Chunk | Done | Error]:
+        """Generate one token for every record in flight; return the resulting events.
+
+        A constrained record whose answer ends incomplete gets an :class:`Error` instead of a done.
+        """
+        events = self._take_ready()
+        ended: list[int] = []
+        for r in self._gen.next_generated() if self._slots else ():
+            slot = self._slots[r.uid]
+            now = time.perf_counter()
+            slot.tokens += 1
+            if slot.tokens == 1:
+                slot.first = now
+                slot.prompt_tps = slot.prompt_tokens / max(now - slot.inserted, 1e-9)
+            if r.finish_reason == "stop" and r.token in self._eos:
+                finish: str | None = "stop"  # the EOS token's text is not emitted, as in stream_generate
+            else:
+                slot.detokenizer.add_token(r.token)
+                finish = r.finish_reason
+            if finish is not None:
+                slot.detokenizer.finalize()
+            segment, finish = slot.stops.feed(slot.detokenizer.last_segment, finish)
+            events.extend(self._emit(r.uid, slot, segment, finish, now))
+            if finish is not None and r.finish_reason is None:
+                ended.append(r.uid)  # a stop string ended it; BatchGenerator would go on
+        if ended:
+            self._gen.remove(ended)
+        return events
+
+    def interrupt(self) -> list[Chunk | Done | Error]:
+        """End every record in flight as "interrupted", oldest first."""
+        events = self._take_ready()
+        now = time.perf_counter()
+        self._gen.remove(list(self._slots))
+        for uid, slot in sorted(self._slots.items(), key=lambda item: item[1].record.index):
+            slot.detokenizer.finalize()
+            segment, finish = slot.stops.feed(slot.detokenizer.last_segment, None)
+            if finish is None:
+                segment, finish = segment + slot.stops.flush(), "interrupted"
+            events.extend(self._emit(uid, slot, segment, finish, now))
+        self.close()
+        return events
+
+    def close(self) -> None:
+        """Drop every record in flight and release the generator."""
+        if self._slots:
+            self._gen.remove(list(self._slots))
+            self._slots.clear()
+        self._gen.close()
+
+    def _emit(
+        self, uid: int, slot: _Slot, segment: str, finish: str | None, now: float
+    ) -> list[Chunk | Done | Error]:
+        rec = slot.record
+        tps = slot.tokens / max(now - slot.first, 1e-9) if slot.tokens else 0.0
+        events: list[Chunk | Done | Error] = []
+        if segment:
+            slot.text.append(segment)
+            events.append(Chunk(rec.index, rec.id, segment, slot.tokens, tps))
+        if finish is not None:
+            del self._slots[uid]
+            try:
+                extra = self.engine.finish_fields(rec, "".join(slot.text), finish)
+            except RecordError as exc:
+                events.append(Error.about(rec, str(exc)))
+                return events
+            events.append(
+                Done(
+                    index=rec.index,
+                    id=rec.id,
+                    text="".join(slot.text),
+                    finish_reason=finish,
+                    tokens=slot.tokens,
+                    tps=tps,
+                    prompt_tokens=slot.prompt_tokens,
+                    prompt_tps=slot.prompt_tps,
+                    peak_memory=int(mx.get_peak_memory()),
+                    input=rec.input,
+                    **extra,
+                )
+            )
+        return events

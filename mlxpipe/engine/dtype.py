@@ -1,0 +1,140 @@
+"""``--dtype``: the type the weights compute in, chosen per backend and free memory, applied in place."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+from mlx.nn.layers.base import Module
+from mlx.utils import tree_flatten
+from mlx_lm.utils import dequantize_model
+
+from ..cpu import blas
+from ..cpu.quantized import QUANTIZED
+from ..errors import ModelError
+from ..interface import DTYPES
+
+__all__ = ["DTYPES", "accelerator", "apply_dtype", "choose_dtype"]
+
+_FLOATS = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def accelerator() -> str | None:
+    """The GPU backend mlx computes on by default (metal or cuda), or None on a CPU."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)  # mlx.core.cuda exists only in newer mlx builds
+    return "cuda" if cuda is not None and cuda.is_available() else "gpu"
+
+
+def is_quantized(model: Any) -> bool:
+    return any(isinstance(m, QUANTIZED) for _, m in model.named_modules())
+
+
+def available_memory() -> int | None:
+    """Bytes of memory free for the model: MemAvailable on Linux, else physical memory; None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gpu_memory() -> int | None:
+    """Bytes of GPU memory free for the model (CUDA's free memory, Metal's working set); None if unknown."""
+    device_info = getattr(mx, "device_info", None)  # mlx.core.device_info exists only in newer mlx builds
+    if device_info is None:
+        return None
+    try:
+        info = device_info()
+    except (RuntimeError, ValueError):
+        return None
+    for key in ("free_memory", "max_recommended_working_set_size", "memory_size", "total_memory"):
+        value = info.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def parameter_count(model: Any) -> int:
+    """Logical weights in ``model``; a quantized layer counts the values it packs, not its uint32 words."""
+    total = 0
+    for _, m in model.named_modules():
+        if isinstance(m, QUANTIZED):
+            total += m.scales.size * m.group_size + (m.bias.size if "bias" in m else 0)
+        elif not tree_flatten(m.children(), is_leaf=lambda x: isinstance(x, Module)):
+            leaves: Any = tree_flatten(m.parameters())
+            total += sum(int(v.size) for _, v in leaves)
+    return total
+
+
+def choose_dtype(model: Any, requested: str, batch: int = 1) -> tuple[str, str]:
+    """The dtype to compute in for ``requested`` (one of :data:`DTYPES`), ``batch`` records at once; and why.
+
+    ``auto``: on CUDA with ``batch`` > 1, bfloat16 when the bfloat16 weights fit in half the free GPU memory
+    (on an H200 the cost of mlx's quantized matmuls grows with the batch: a 1B model's decode step took 3 ms
+    for one record and 61 ms for 128, against 3 and 6 ms in bfloat16; bench/RESULTS.md). Otherwise on a GPU
+    the quantized weights (about as fast for one stream there, and 2-4x less memory). On a CPU float32
+    (mlx's quantized CPU kernels are slow and do not batch: float32 was faster even with the reference BLAS,
+    and far faster with OpenBLAS; bench/RESULTS.md) when the float32 weights fit in half the free memory.
+    """
+    if requested not in DTYPES:
+        raise ModelError(f"unknown dtype {requested!r} (choose from {', '.join(DTYPES)})")
+    if requested != "auto":
+        return requested, "asked for with --dtype"
+    backend = accelerator()
+    if backend == "cuda" and batch > 1:
+        need = parameter_count(model) * 2
+        free = gpu_memory()
+        if free is not None and need > free // 2:
+            gb = need / 1e9
+            return (
+                "quantized",
+                f"auto on cuda: bfloat16 weights ({gb:.1f} GB) exceed half the free GPU memory",
+            )
+        return (
+            "bfloat16",
+            "auto on cuda with --batch: bfloat16 weights (quantized matmuls do not batch there)",
+        )
+    if backend is not None:
+        return "quantized", f"auto on {backend}: quantized weights"
+    need = parameter_count(model) * 4
+    free = available_memory()
+    if free is not None and need > free // 2:
+        return "quantized", f"auto on cpu: float32 weights ({need / 1e9:.1f} GB) exceed half the free memory"
+    with_blas = "the reference BLAS" if blas.setup().reference else "an optimized BLAS"
+    return "float32", f"auto on cpu: float32 weights with {with_blas} (faster than quantized kernels)"
+
+
+def apply_dtype(model: Any, dtype: str) -> Any:
+    """Turn ``model`` into ``dtype`` in place: dequantize with mlx-lm's helper, then cast floating weights.
+
+    ``quantized`` keeps the quantized layers; on a GPU a model with float32 parameters (a GGUF's norms, say)
+    has its floating parameters cast to bfloat16 too, so that activations are not computed in float32.
+    """
+    if dtype == "quantized":
+        leaves: Any = tree_flatten(model.parameters())
+        if accelerator() is not None and any(v.dtype == mx.float32 for _, v in leaves):
+            model.set_dtype(mx.bfloat16)
+            mx.eval(model.parameters())
+        return model
+    if is_quantized(model):
+        if dtype == "float32":
+            # Dequantized in float32: scale * q + bias as the file has them, not rounded to the scales'
+            # float16 (and so the same weights as the quantized one-row products of mlxpipe.gemv).
+            for _, m in model.named_modules():
+                if isinstance(m, QUANTIZED):
+                    m.update({k: m[k].astype(mx.float32) for k in ("scales", "biases") if k in m})
+        model = dequantize_model(model)
+    model.set_dtype(_FLOATS[dtype])
+    mx.eval(model.parameters())
+    return model

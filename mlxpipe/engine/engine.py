@@ -1,0 +1,261 @@
+"""The engine: a loaded model that turns records into typed events (the only room that runs mlx-lm).
+
+Layering follows mlx-lm's own: ``stream_generate`` yields token-level responses; :meth:`Engine.generate`
+adds what a pipe needs on top (chat templates, per-record sampling and seeds, stop strings held back
+until decided, interruption, structured output) and yields :mod:`mlxpipe.events`. :meth:`Engine.batch`
+does the same for many records at once (:mod:`.batch`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import generation_stream
+from mlx_lm.models import llama
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .. import models
+from ..cpu import blas, gemv, layers, quantized
+from ..errors import ConstraintError, ModelError, RecordError, first_line
+from ..events import Chunk, Done
+from ..records import Record
+from . import sampling
+from .batch import Batch
+from .choices import choose
+from .dtype import accelerator, apply_dtype, choose_dtype
+from .prefix import PrefixCache
+from .prompts import Prompts
+
+if TYPE_CHECKING:
+    from ..constrain import Grammars
+
+__all__ = ["Engine"]
+
+# mlx-lm's Llama MLP (SmolLM2's, among others) computes down_proj(swiglu(gate_proj(x), up_proj(x))), and its
+# decoder layer returns one array.
+layers.SWIGLU_MLPS.add(llama.MLP)
+layers.DECODER_LAYERS.add(llama.TransformerBlock)
+
+# Prompt tokens per forward pass. mlx has no CPU attention kernel: its fallback scores every query-key pair of
+# a chunk, masked ones too, so on a CPU prompts are read in smaller chunks than mlx-lm's default (which stands
+# on a GPU; bench/RESULTS.md).
+_CPU_PREFILL_STEP = 256
+_GPU_PREFILL_STEP = 2048
+
+
+class Engine:
+    """A loaded model and tokenizer, ready to answer records one after another or in batches."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: TokenizerWrapper,
+        source: models.ModelSource,
+        folder: str,
+        dtype: str = "quantized",
+        dtype_reason: str = "as loaded",
+    ) -> None:
+        # model is an mlx.nn.Module, which mlx's package does not export to type checkers.
+        self.model = model
+        self.tokenizer = tokenizer
+        self.source = source
+        self.folder = folder
+        self.dtype = dtype
+        self.dtype_reason = dtype_reason
+        self.cpu_fast_paths: list[str] = []  # layers swapped by mlxpipe.cpu.layers (set by load)
+        self.quantized_rows = 0  # weight matrices whose one-row products read quantized bytes (set by load)
+        self.context_length = int(models.describe(source, folder).get("context_length") or 0)
+        self.reuse_prefix = True
+        self.prefill_step = _CPU_PREFILL_STEP if accelerator() is None else _GPU_PREFILL_STEP
+        self.prompts = Prompts(tokenizer, self.context_length)
+        self.prefixes = PrefixCache(model, self.prefill_step)
+        self._grammars: Grammars | None = None
+        self.vocab_size = len(tokenizer.get_vocab())
+        # We check prompt length against the context ourselves, on the record's error line; the
+        # tokenizer's own warning about it would be a stray line on stderr.
+        tokenizer.model_max_length = sys.maxsize
+
+    @classmethod
+    def load(
+        cls, spec: str | None = None, dtype: str = "auto", batch: int = 1, *, trust_remote_code: bool = False
+    ) -> Engine:
+        """Resolve ``spec`` (see :func:`mlxpipe.models.resolve`) and load it, or raise ``ModelError``.
+
+        ``dtype`` is one of :data:`.dtype.DTYPES`; :func:`.dtype.choose_dtype` says what ``auto`` picks for
+        ``batch`` records generating at once. A model or tokenizer that ships its own Python code is refused
+        unless ``trust_remote_code``.
+        """
+        source = models.resolve(spec)
+        folder = models.materialize(source)
+        try:
+            # Both explicit: transformers would otherwise ask on the terminal, reading our stdin.
+            loaded = mlx_lm.load(
+                folder,
+                tokenizer_config={"trust_remote_code": trust_remote_code},
+                trust_remote_code=trust_remote_code,
+            )  # typed as a 2- or 3-tuple (return_config); we ask for two
+            model, tokenizer = loaded[0], loaded[1]
+        except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds; the user needs one line
+            if not trust_remote_code and "trust_remote_code" in str(exc):
+                raise ModelError(
+                    f"model {source.spec!r} needs to run its own Python code to load; "
+                    "pass --trust-remote-code if you trust it"
+                ) from None
+            raise ModelError(f"cannot load model {source.spec!r}: {first_line(exc)}") from None
+        used, reason = choose_dtype(model, dtype, batch)
+        # Float32 on a CPU computes from the dequantized weights; one-row products can still read the
+        # quantized ones (mlxpipe.cpu.gemv), which the dequantizing would otherwise drop.
+        forms = quantized.forms(model) if used == "float32" and gemv.quantized_available() else {}
+        engine = cls(apply_dtype(model, used), tokenizer, source, folder, used, reason)
+        engine.quantized_rows = quantized.attach(engine, engine.model, forms, (generation_stream,))
+        # mx.fast's norms and RoPE have no CPU kernels, mlx's CPU exp is slow: on a CPU, compiled stand-ins.
+        if accelerator() is None and layers.enabled():
+            engine.cpu_fast_paths = layers.apply(engine.model)
+        return engine
+
+    def info(self) -> dict[str, Any]:
+        """What ``--model-info`` prints: the model's description, compute device, dtype, BLAS, fast paths."""
+        info = models.describe(self.source, self.folder)
+        info["device"] = str(mx.default_device())
+        info["dtype"] = self.dtype
+        info["dtype_reason"] = self.dtype_reason
+        info["blas"] = blas.setup().info()
+        threads = blas.threads()
+        if threads is not None:
+            info["blas"]["threads"] = threads  # now: 1 while one stream decodes, else the default
+        info["cpu_fast_paths"] = self.cpu_fast_paths
+        info["quantized_rows"] = self.quantized_rows
+        return info
+
+    # What each record gets; every generation path (sequential or batched) asks here.
+
+    def encode(self, record: Record) -> list[int]:
+        """The prompt tokens for ``record`` (:meth:`.prompts.Prompts.encode`); raises :class:`RecordError`."""
+        return self.prompts.encode(record)
+
+    def prefix_for(self, record: Record, tokens: list[int]) -> tuple[int, list[Any] | None]:
+        """How many of ``tokens`` come from a cached shared prefix, and a private copy of its KV cache."""
+        if not self.reuse_prefix:
+            return 0, None
+        return self.prefixes.split(self.prompts.shared_head(record), tokens)
+
+    def sampler_for(self, record: Record) -> sampling.Sampler:
+        """mlx-lm's sampler for ``record`` (see :func:`.sampling.sampler_for`)."""
+        return sampling.sampler_for(record.settings, self.vocab_size)
+
+    def processors_for(self, record: Record) -> list[sampling.Processor]:
+        """mlx-lm logits processors for ``record``: repetition penalty, then its constraint's token mask."""
+        constraint = record.settings.constraint
+        matcher = None
+        if constraint is not None:
+            try:
+                matcher = self.grammars.matcher(constraint)
+            except ConstraintError as exc:
+                raise RecordError(str(exc)) from None
+        return sampling.processors_for(record.settings, matcher)
+
+    @property
+    def grammars(self) -> Grammars:
+        """llguidance's view of this model's tokenizer (see :mod:`mlxpipe.constrain`), built on first use."""
+        if self._grammars is None:
+            from ..constrain import Grammars
+
+            try:
+                self._grammars = Grammars(
+                    getattr(self.tokenizer, "_tokenizer", self.tokenizer), self.tokenizer.eos_token_ids
+                )
+            except ConstraintError as exc:
+                raise RecordError(str(exc)) from None
+        return self._grammars
+
+    def finish_fields(self, record: Record, text: str, finish_reason: str) -> dict[str, Any]:
+        """Extra :class:`Done` fields for a finished answer under ``record``'s constraint ({} without one).
+
+        ``json`` for a JSON schema. Raises :class:`RecordError` when the answer is incomplete (max tokens,
+        a stop string, an interrupt). Every decoding path (sequential, batched) calls it for its done events;
+        choice lists never decode (see :mod:`.choices`).
+        """
+        from .. import constrain
+
+        constraint = record.settings.constraint
+        if constraint is None:
+            return {}
+        try:
+            return constrain.finish(self.grammars, constraint, text, finish_reason)
+        except ConstraintError as exc:
+            raise RecordError(str(exc)) from None
+
+    # Generating
+
+    def generate(
+        self, record: Record, should_stop: Callable[[], bool] | None = None
+    ) -> Iterator[Chunk | Done]:
+        """Stream one record: zero or more :class:`Chunk` events, then exactly one :class:`Done`.
+
+        Raises :class:`RecordError` before the first event when the record cannot be answered.
+        ``should_stop`` is polled once per token; when it turns true the record ends as "interrupted".
+        """
+        blas.use_threads(1)
+        s = record.settings
+        tokens = self.encode(record)
+        if s.constraint is not None and s.constraint.kind == "choices":
+            yield from choose(self, record, tokens)
+            return
+        started = time.perf_counter()
+        cached, cache = self.prefix_for(record, tokens)
+        processors = self.processors_for(record)
+        if cached and processors:
+            # stream_generate shows them only the tokens it was given; the batched path passes the cached
+            # prefix as all_tokens. Both must see the whole prompt (a repetition penalty looks back).
+            processors = [sampling.after_prefix(tokens[:cached], processors)]
+        stops = sampling.StopStrings(s.stop)
+        text: list[str] = []
+        responses = mlx_lm.stream_generate(
+            self.model,
+            self.tokenizer,
+            tokens[cached:],
+            max_tokens=s.max_tokens,
+            sampler=self.sampler_for(record),
+            logits_processors=processors,
+            prompt_cache=cache,
+            prefill_step_size=self.prefill_step,
+        )
+        prompt_tps = 0.0
+        try:
+            for r in responses:
+                if r.generation_tokens == 1:  # the whole prompt, the reused prefix included, over its time
+                    prompt_tps = len(tokens) / max(time.perf_counter() - started, 1e-9)
+                segment, finish = stops.feed(r.text, r.finish_reason)
+                if finish is None and should_stop is not None and should_stop():
+                    segment, finish = segment + stops.flush(), "interrupted"
+                if segment:
+                    text.append(segment)
+                    yield Chunk(record.index, record.id, segment, r.generation_tokens, r.generation_tps)
+                if finish is not None:
+                    answer = "".join(text)
+                    yield Done(
+                        index=record.index,
+                        id=record.id,
+                        text=answer,
+                        finish_reason=finish,
+                        tokens=r.generation_tokens,
+                        tps=r.generation_tps,
+                        prompt_tokens=len(tokens),
+                        prompt_tps=prompt_tps,
+                        peak_memory=int(r.peak_memory * 1e9),  # mlx-lm reports GB
+                        input=record.input,
+                        **self.finish_fields(record, answer, finish),
+                    )
+                    return
+        finally:
+            responses.close()  # ends generation at once when our consumer stops early
+
+    def batch(self, size: int) -> Batch:
+        """A :class:`.batch.Batch` of up to ``size`` records generating together."""
+        blas.use_threads(size)
+        return Batch(self, size)

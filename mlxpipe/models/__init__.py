@@ -1,0 +1,26 @@
+"""Find, convert and describe the model mlxpipe runs.
+
+A model spec resolves to a :class:`ModelSource` (:mod:`.source`: the embedded SmolLM2 GGUF, a GGUF file, an
+MLX model folder or a Hugging Face hub id); :func:`materialize` (:mod:`.cache`) turns it into what
+``mlx_lm.load`` accepts, converting GGUF files (:mod:`.gguf`) into a cached MLX model folder on first use;
+:func:`describe` (:mod:`.describe`) summarizes it for ``--model-info``.
+
+Nothing here imports ``mlx`` or ``mlx_lm`` at import time, so ``--help`` stays instant.
+"""
+
+from ..errors import ModelError
+from .cache import CONVERTER_VERSION, materialize
+from .describe import describe
+from .gguf import convert_gguf
+from .source import EMBEDDED_NAME, ModelSource, resolve
+
+__all__ = [
+    "CONVERTER_VERSION",
+    "EMBEDDED_NAME",
+    "ModelError",
+    "ModelSource",
+    "convert_gguf",
+    "describe",
+    "materialize",
+    "resolve",
+]

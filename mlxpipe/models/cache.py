@@ -1,0 +1,88 @@
+"""A :class:`ModelSource` → a folder ``mlx_lm.load`` accepts: GGUF files are converted once into the cache."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import ModelError
+from ..paths import cache_dir
+from .gguf import convert_gguf
+from .source import ModelSource
+
+__all__ = ["CONVERTER_VERSION", "materialize"]
+
+# Part of the cache key: bump it whenever the converter's output changes, so old folders are not reused.
+CONVERTER_VERSION = "1"
+_STALE_TEMP_SECONDS = 3600
+
+
+def materialize(source: ModelSource) -> str:
+    """Return what ``mlx_lm.load`` should get: a cached converted folder for a GGUF, else the folder or id."""
+    if source.kind == "hub":
+        return source.spec
+    if source.path is None:
+        raise ModelError(f"model source has no path: {source.spec}")
+    if source.kind == "folder":
+        return str(source.path)
+    if source.kind in ("gguf", "embedded"):
+        return str(_cached_conversion(source.path))
+    raise ModelError(f"unknown model source kind: {source.kind}")
+
+
+def _cache_key(gguf_path: Path) -> str:
+    path = gguf_path.resolve()
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelError(f"no such file: {gguf_path} ({e.strerror})") from None
+    text = f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERTER_VERSION}"
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def _cached_conversion(gguf_path: Path) -> Path:
+    models = cache_dir() / "models"
+    name = gguf_path.name[: -len(".gguf")] if gguf_path.name.lower().endswith(".gguf") else gguf_path.name
+    stem = re.sub(r"[^\w.-]+", "_", name)
+    target = models / f"{stem}-{_cache_key(gguf_path)[:20]}"
+    if (target / "config.json").is_file():
+        return target
+    try:
+        models.mkdir(parents=True, exist_ok=True)
+        _clean_stale_temps(models)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=models))
+    except OSError as e:
+        raise ModelError(f"cannot create cache folder {models}: {e}") from None
+    try:
+        convert_gguf(gguf_path, tmp)
+        try:
+            # Atomic publish: readers only ever see a complete folder.
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            # Another process finished first; theirs is equivalent, use it.
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelError(f"cannot write converted model to {models}: {e}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _clean_stale_temps(models: Path) -> None:
+    # Temps from killed processes; an hour is far longer than any conversion takes.
+    cutoff = time.time() - _STALE_TEMP_SECONDS
+    for entry in models.glob(".tmp-*"):
+        try:
+            if entry.stat().st_mtime < cutoff:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            pass
