@@ -10,6 +10,7 @@ fails with ``EBADF``, so the closed stream is reported like any other failing on
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
@@ -57,10 +58,8 @@ def raw_stdout() -> IO[bytes]:
     raw = getattr(getattr(sys.stdout, "buffer", None), "raw", None)
     if raw is None:
         return open(1, "wb", buffering=0, closefd=False)  # sys.stdout is None when 1 was closed
-    try:
+    with contextlib.suppress(OSError):
         sys.stdout.flush()  # nothing should be there; if it is, it goes first
-    except OSError:
-        pass
     return cast("IO[bytes]", raw)
 
 
