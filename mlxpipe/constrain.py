@@ -69,7 +69,10 @@ def _checked(kind: str, grammar: str, labels: tuple[str, ...] = ()) -> Constrain
         raise ConstraintError(f"invalid {kind.replace('_', ' ')}: {first}")
     # A grammar no answer satisfies ('[^\s\S]', a schema that is only a $ref loop): its matcher is stopped
     # in error before the first byte. Refused now, not after loading the model, record after record.
-    probe = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    tokenizer = _byte_tokenizer()
+    probe = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if not probe.is_error():  # the first mask is where an empty grammar shows
+        fill_next_token_bitmask(probe, allocate_token_bitmask(1, tokenizer.vocab_size))
     if probe.is_error():
         raise ConstraintError(f"{kind.replace('_', ' ')} admits no answer: {_reason(probe.get_error())}")
     return Constraint(kind, grammar, labels)
@@ -240,6 +243,8 @@ class Grammars:
         Ended otherwise (EOS, a stop string, an interrupt), it is whole when the grammar accepts it.
         """
         m = llguidance.LLMatcher(self.tokenizer, constraint.grammar, log_level=0)
+        if not m.is_error():  # the first mask is where an empty grammar shows
+            fill_next_token_bitmask(m, allocate_token_bitmask(1, self.tokenizer.vocab_size))
         if m.is_error():  # no answer at all: say so, not "ended by a stop string"
             return f"{constraint.kind.replace('_', ' ')} admits no answer: {_reason(m.get_error())}"
         if not m.consume_tokens(self.tokenizer.tokenize_str(text)) or m.is_error():

@@ -124,7 +124,7 @@ def _start(args: argparse.Namespace, console: Console, ranks: Ranks) -> _Started
         inputs.check_files(args.files)
         if args.resume is not None:  # rank 0 reads and writes FILE; under mlx.launch it tells the others
             resume = (
-                ResumeFile.open(args.resume, inputs=args.files)
+                ResumeFile.open(args.resume, inputs=args.files or ["-"])
                 if ranks.rank == 0
                 else ResumeFile(args.resume, None)
             )
