@@ -581,3 +581,9 @@ def test_a_damaged_cached_conversion_is_converted_again(
     assert weights.stat().st_size > 1000
     weights.unlink()  # missing altogether
     assert cache.materialize(source) == str(folder) and len(conversions) == 3
+
+
+def test_progress_total_of_a_file_that_cannot_be_read_is_unknown() -> None:
+    from mlxpipe.cli.term import count_records
+
+    assert count_records(["/proc/self/mem"], null=False, max_bytes=100) is None  # EIO: no total, no crash
