@@ -1,12 +1,15 @@
-"""Records over ranks: one process vs ``mlx.launch -n 2 --backend ring`` on this machine, side by side.
+"""Records over ranks, one core each as a stand-in for hosts: one process on one core vs ``mlx.launch -n N``.
 
-    flock -x /tmp/mlxpipe-cpu.lock python bench/distributed.py [--records 16] [--max-tokens 16]
+    flock -x /tmp/mlxpipe-cpu.lock python bench/distributed.py [--ranks 2] [--records 16] [--max-tokens 32]
+        [--mixed] [--batch 1] [--rounds 2]
 
-Both runs are the real command on the same file (greedy, --no-stream JSONL), model load included, as a
-user would time them. Prints wall time, generated tokens per second and the ratio to one process, whether
-the answers are the same, and the cost of one protocol round (two all_gathers of a 1 KB frame) measured
-alone. On one host the two ranks share its cores, so this measures the protocol's overhead and the gain
-from two model instances there, not what more hosts give (each adds its own cores).
+Every run is the real command on the same file (greedy, ``--no-stream`` JSONL, model load included), each
+process pinned with ``taskset -c`` (rank r on core r; the single process on core 0), OpenBLAS at one thread.
+Runs, taking turns each round: one process; N ranks as mlxpipe runs them; N ranks with
+``MLXPIPE_CALM_LAUNCHER=off`` (the launcher's relay left spinning: mlxpipe.launcher). Prints wall time, the
+speed-up over one process (median of rounds), each rank's mean decode and prompt rates (from its records'
+``done`` events), the launcher's own CPU seconds, and whether the answers equal one process's. ``--mixed``
+gives half the records ``max_tokens`` 8 and half 200 (the lockstep's worst case), against equal lengths.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,62 +29,98 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
 TOPICS = ["the sea", "mountains", "coffee", "bicycles", "libraries", "volcanoes", "owls", "rain"]
 
-ROUNDS = """
-import time
-from mlxpipe.distributed import Ranks
-ranks = Ranks.init()
-frame = b"x" * 1024
-ranks.gather(frame)
-started = time.perf_counter()
-for _ in range(200):
-    ranks.gather(frame)
-if ranks.rank == 0:
-    print((time.perf_counter() - started) / 200 * 1000)
-"""
+
+def write_input(path: Path, records: int, mixed: bool) -> None:
+    lines = []
+    for i in range(records):
+        record: dict[str, object] = {
+            "id": i,
+            "prompt": f"Write a few sentences about {TOPICS[i % len(TOPICS)]}.",
+        }
+        if mixed:
+            record["max_tokens"] = 8 if i % 2 == 0 else 200
+        lines.append(json.dumps(record))
+    path.write_text("\n".join(lines) + "\n")
 
 
-def launch(args: list[str]) -> list[str]:
-    return [str(LAUNCH), "-n", "2", "--backend", "ring", "--python", sys.executable, "--", *args]
-
-
-def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, bytes]:
+def run(cmd: list[str], env: dict[str, str]) -> tuple[float, bytes, float]:
+    """Wall seconds, stdout, and the CPU seconds of the top process alone (the launcher, for mlx.launch)."""
     started = time.perf_counter()
-    r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, env=env, cwd=REPO, check=True)
-    return time.perf_counter() - started, r.stdout
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, cwd=REPO)
+    cpu = 0.0
+    out = b""
+    assert p.stdout is not None
+    while True:
+        chunk = p.stdout.read1(1 << 16)
+        if not chunk:
+            break
+        out += chunk
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            pass
+    p.wait()
+    return time.perf_counter() - started, out, cpu
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--records", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--mixed", action="store_true")
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1")
+    mlxpipe = [sys.executable, "-m", "mlxpipe", "--jsonl", "--no-stream", "-n", str(args.max_tokens)]
+    mlxpipe += ["--batch", str(args.batch)]
+    results: dict[str, list[tuple[float, bytes, float]]] = {
+        "one": [],
+        "ranks": [],
+        "ranks, launcher spinning": [],
+    }
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "in.jsonl"
-        lines = [
-            json.dumps({"id": i, "prompt": f"Write one sentence about {TOPICS[i % len(TOPICS)]}."})
-            for i in range(args.records)
-        ]
-        data.write_text("\n".join(lines) + "\n")
-        cmd = ["-m", "mlxpipe", "--jsonl", "--no-stream", "-n", str(args.max_tokens), str(data)]
-        one_s, one_out = timed([sys.executable, *cmd], env)
-        two_s, two_out = timed(launch(cmd), env)
-        round_ms = float(timed(launch(["-c", ROUNDS]), env)[1])
+        write_input(data, args.records, args.mixed)
+        one = ["taskset", "-c", "0", *mlxpipe, str(data)]
+        pinned = f"exec taskset -c $MLX_RANK {' '.join(mlxpipe)} {data}"
+        launch = [str(LAUNCH), "-n", str(args.ranks), "--backend", "ring", "--", "sh", "-c", pinned]
+        for _ in range(args.rounds):
+            results["one"].append(run(one, env))
+            results["ranks"].append(run(launch, env))
+            results["ranks, launcher spinning"].append(run(launch, dict(env, MLXPIPE_CALM_LAUNCHER="off")))
 
-    def texts(out: bytes) -> list[tuple[object, str]]:
-        return [(e["id"], e["text"]) for e in map(json.loads, out.splitlines())]
+    def events(out: bytes) -> list[dict[str, object]]:
+        return [json.loads(line) for line in out.splitlines() if line.startswith(b"{")]
 
-    tokens = sum(json.loads(line)["tokens"] for line in one_out.splitlines())
-    day, cores = time.strftime("%Y-%m-%d"), os.cpu_count()
-    print(f"# {day}, {platform.machine()}, {cores} cores, {args.records} records,")
-    print(f"# max tokens {args.max_tokens}, greedy; wall includes model load")
-    print("| run | wall s | generated tok/s | vs one process |")
-    print("|---|---|---|---|")
-    print(f"| one process | {one_s:.1f} | {tokens / one_s:.1f} | 1.00 |")
-    print(f"| mlx.launch -n 2 --backend ring | {two_s:.1f} | {tokens / two_s:.1f} | {one_s / two_s:.2f} |")
-    same = texts(one_out) == texts(two_out)
-    print(f"answers identical, in the same order: {same}")
-    print(f"one protocol round (two all_gathers of a 1 KB frame, loopback): {round_ms:.2f} ms")
+    reference = [(e["id"], e.get("text")) for e in events(results["one"][0][1])]
+    one_wall = statistics.median(r[0] for r in results["one"])
+    day, load = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), os.getloadavg()[0]
+    print(f"# {day}, {platform.machine()}, {os.cpu_count()} cores, load {load:.2f}; {args.records} records, ")
+    mixed = " (mixed 8/200)" if args.mixed else ""
+    print(f"# max tokens {args.max_tokens}{mixed}, --batch {args.batch}, greedy")
+    print(
+        "| run | wall s (median) | vs one | decode tok/s per rank | prompt tok/s per rank | launcher CPU s |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, runs in results.items():
+        wall = statistics.median(r[0] for r in runs)
+        dones = [e for e in events(runs[-1][1]) if e.get("event") == "done"]
+        size = 1 if name == "one" else args.ranks
+        decode, prompt = [], []
+        for rank in range(size):
+            mine = [e for n, e in enumerate(dones) if n % size == rank]
+            decode.append(statistics.mean(float(e["tps"]) for e in mine) if mine else 0.0)  # type: ignore[arg-type]
+            prompt.append(statistics.mean(float(e["prompt_tps"]) for e in mine) if mine else 0.0)  # type: ignore[arg-type]
+        cpu = "—" if name == "one" else f"{statistics.median(r[2] for r in runs):.1f}"
+        same = all([(e["id"], e.get("text")) for e in events(r[1])] == reference for r in runs)
+        print(
+            f"| {name}{'' if same else ' (answers differ!)'} | {wall:.1f} | {one_wall / wall:.2f} | "
+            f"{', '.join(f'{d:.0f}' for d in decode)} | {', '.join(f'{p:.0f}' for p in prompt)} | {cpu} |"
+        )
 
 
 if __name__ == "__main__":

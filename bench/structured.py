@@ -69,7 +69,7 @@ def main() -> None:
 
     engine = Engine.load(args.model)
     constraint = constrain.json_schema(SCHEMA)
-    assert engine.grammars is not None  # built once up front (~0.4 s), as a run pays it once
+    assert engine.constraints.grammars is not None  # built once up front (~0.4 s), as a run pays it once
 
     # The constraint's own CPU work per token (llguidance's mask and the unpacking into a bool array).
     mask_seconds = [0.0]

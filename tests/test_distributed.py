@@ -409,3 +409,37 @@ def test_sigterm_to_rank_0_stops_every_rank_after_the_round(tmp_path: Path) -> N
     assert len(finals) < 32
     assert "Node with rank 0 exited with code 143" in err
     assert "Node with rank 1" not in err and "mlxpipe" not in err
+
+
+CALM = """
+import json, os, select
+from mlxpipe import launcher
+done = launcher.calm()
+pid = launcher._launcher_pid()
+def nice(tid):
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+nices = sorted({nice(tid) for tid in os.listdir(f"/proc/{pid}/task")})
+fd = os.open("/proc/self/fd/0", os.O_WRONLY | os.O_NONBLOCK)
+_, writable, _ = select.select([], [fd], [], 0)
+print(json.dumps({"rank": os.environ["MLX_RANK"], "done": done, "nices": nices, "writable": bool(writable)}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the launcher is calmed through /proc, on Linux only")
+def test_ranks_keep_mlx_launch_from_spinning_on_their_cores() -> None:
+    # mlx.launch's relay thread selects for writing on each rank's stdin pipe, which is always writable: it
+    # spins. Once the rank has filled its pipe the relay waits, and the launcher's threads run at nice 19.
+    if not LAUNCH.exists():
+        pytest.skip("mlx.launch is not installed next to this python")
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(ring_port()), "--python", sys.executable]
+    r = subprocess.run(
+        [*cmd, "--", "-c", CALM], stdin=subprocess.DEVNULL, capture_output=True, env=cli_env(), timeout=120
+    )
+    reports = sorted((json.loads(line) for line in r.stdout.splitlines()), key=lambda x: x["rank"])
+    assert [x["rank"] for x in reports] == ["0", "1"], r.stderr
+    for report in reports:
+        assert report["done"][0] == "stdin pipe filled"
+        assert report["done"][1].endswith("at nice 19")
+        assert report["nices"] == [19]
+        assert report["writable"] is False

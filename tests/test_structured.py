@@ -258,7 +258,7 @@ def test_an_answer_the_grammar_accepts_but_max_tokens_cut_is_an_error(
 @pytest.mark.model
 def test_complete_at_max_tokens_only_when_the_grammar_is_stopped(engine) -> None:
     """The check itself, with the real tokenizer: stopped (nothing could follow) versus merely accepting."""
-    grammars = engine.grammars
+    grammars = engine.constraints.grammars
     number = constrain.json_schema({"type": "number"})
     assert grammars.problem(number, "-12", "length") == "answer incomplete: max tokens reached"
     assert grammars.problem(number, "-12", "stop") is None  # the model ended it: -12 is its answer

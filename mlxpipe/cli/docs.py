@@ -1,4 +1,4 @@
-"""Produce the man page's OPTIONS section and the README's option table from :data:`~mlxpipe.options.OPTIONS`.
+"""The man page's OPTIONS section and the README's option table, made from :data:`.options.OPTIONS`.
 
 ``python -m mlxpipe.cli.docs`` rewrites the text between the marker comments in ``man/mlxpipe.1`` and
 ``README.md``; ``python -m mlxpipe.cli.docs --check`` only reports (exit 1) which of them is stale.

@@ -17,6 +17,7 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
+from .. import launcher
 from ..errors import ModelError, UsageError
 from ..events import Done, Error
 from ..reader import InputFormat, RecordReader
@@ -118,6 +119,8 @@ def _start(args: argparse.Namespace, console: Console, ranks: Ranks) -> _Started
             "them): stdin does not reach the ranks"
         )
         return EXIT_USAGE
+    if ranks.size > 1:
+        launcher.calm()  # mlx.launch's relay thread would otherwise spin on a core the ranks need
     resume: ResumeFile | None = None
     problem = None
     try:

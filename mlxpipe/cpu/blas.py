@@ -18,7 +18,7 @@ Decision, in order:
 - Otherwise the first of these that loads: ``cmeel-openblas``'s ``libopenblas.so.0`` (the ``cpu`` extra
   installs it; it needs the system's gfortran runtime, ``libgfortran.so.5``), then a system ``libopenblas``.
 
-In front of a BLAS it loads, :mod:`mlxpipe.gemv` puts a ``cblas_sgemm`` that sends one-row products to
+In front of a BLAS it loads, :mod:`mlxpipe.cpu.gemv` puts a ``cblas_sgemm`` that sends one-row products to
 ``sgemv`` (``MLXPIPE_GEMV=off`` leaves it out).
 """
 
@@ -62,7 +62,7 @@ class BlasChoice:
     config: str | None = None  # OpenBLAS's own description (version, kernel)
     failed: tuple[str, ...] = field(default=())  # candidates that would not load, with the loader's message
     reference: bool = False  # mlx computes with the reference BLAS it bundles (slow float32 matmuls)
-    gemv: str | None = None  # what mlxpipe.gemv did in front of the loaded library
+    gemv: str | None = None  # what mlxpipe.cpu.gemv did in front of the loaded library
 
     def info(self) -> dict[str, Any]:
         """The ``blas`` entry of ``--model-info``."""
@@ -196,12 +196,8 @@ def _candidates() -> list[tuple[str, str]]:
     return found
 
 
-# Threads. A single stream multiplies one row by each weight matrix (sgemv, via mlxpipe.gemv): as fast on
-# one thread here, and a second thread, which spins while it waits, makes decoding collapse as soon as
-# another process wants the core (32 -> 1.7 tok/s beside one busy process; 16.7 with one thread;
-# bench/RESULTS.md). Batched decoding multiplies matrices, where OpenBLAS's own default (a thread per core)
-# was 1.3x faster on a quiet machine. Ranks of an mlx.launch job sharing one host's cores get one thread
-# each. The user's own OPENBLAS_NUM_THREADS (or OMP_NUM_THREADS) always wins.
+# Threads: one for a single stream (a second one only spins, and collapses decoding beside a busy process),
+# OpenBLAS's default for batches, one per rank under a launcher; the user's OPENBLAS_NUM_THREADS wins.
 _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 _LAUNCHER_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 _library: Any = None  # the OpenBLAS loaded by setup(), if any

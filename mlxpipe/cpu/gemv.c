@@ -2,8 +2,7 @@
  *
  * mlx computes every float32 matrix product with cblas_sgemm, also x @ W.T for a single token (M = 1),
  * which is all a one-stream decode step does. OpenBLAS's sgemm packs the whole weight matrix for that and
- * reads it at ~20 GB/s on the project machine; its sgemv reads the same matrix at ~50 GB/s
- * (bench/RESULTS.md). mlxpipe.gemv compiles this file, calls mlxpipe_gemv_init with the BLAS's own
+ * reads it less than half as fast as its sgemv does (bench/RESULTS.md). mlxpipe.cpu.gemv compiles this file, calls mlxpipe_gemv_init with the BLAS's own
  * functions, and puts this library before the BLAS in the global symbol scope, so that libmlx's
  * cblas_sgemm binds here. Everything that is not one row or one column goes to the BLAS's sgemm unchanged,
  * and so do small matrices (attention's per-head products at --batch), where sgemm was as fast or faster.
@@ -201,7 +200,7 @@ int mlxpipe_qgemv_available(void) {
 #endif
 }
 
-/* c (1 x n) = alpha a (1 x k) W^T for a registered W; 0 when it cannot (the caller then goes on as before). */
+/* c (1 x n) = alpha a (1 x k) W^T for a registered W; 0 when it cannot (the caller then uses the BLAS). */
 static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c) {
     static __thread float *scratch;
     static __thread long scratch_len;

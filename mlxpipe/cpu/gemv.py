@@ -5,7 +5,7 @@ multiplies by each weight matrix. OpenBLAS's ``sgemm`` is 2.5x slower at that sh
 (bench/RESULTS.md). :func:`install` compiles ``gemv.c`` once with the system's C compiler into the cache
 folder, hands it the BLAS's own ``cblas_sgemm`` and ``cblas_sgemv``, and makes it global before the BLAS,
 so that libmlx's ``cblas_sgemm`` binds to it. Without a C compiler nothing changes but the speed.
-Installed by :mod:`mlxpipe.blas`, before mlx is imported; imports nothing from mlx.
+Installed by :mod:`mlxpipe.cpu.blas`, before mlx is imported; imports nothing from mlx.
 
 A float32 weight matrix that was dequantized from mlx's 4- or 8-bit form can be :func:`attach`-ed to that
 form (by the engine): one-row products by it then read the quantized bytes, on machines with AVX-512.

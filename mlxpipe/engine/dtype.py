@@ -81,11 +81,10 @@ def choose_dtype(model: Any, requested: str, batch: int = 1) -> tuple[str, str]:
     """The dtype to compute in for ``requested`` (one of :data:`DTYPES`), ``batch`` records at once; and why.
 
     ``auto``: on CUDA with ``batch`` > 1, bfloat16 when the bfloat16 weights fit in half the free GPU memory
-    (on an H200 the cost of mlx's quantized matmuls grows with the batch: a 1B model's decode step took 3 ms
-    for one record and 61 ms for 128, against 3 and 6 ms in bfloat16; bench/RESULTS.md). Otherwise on a GPU
-    the quantized weights (about as fast for one stream there, and 2-4x less memory). On a CPU float32
-    (mlx's quantized CPU kernels are slow and do not batch: float32 was faster even with the reference BLAS,
-    and far faster with OpenBLAS; bench/RESULTS.md) when the float32 weights fit in half the free memory.
+    (mlx's quantized matmuls cost grows with the batch there; bfloat16's barely does). Otherwise on a GPU the
+    quantized weights (as fast for one stream, 2-4x less memory). On a CPU float32 (mlx's quantized CPU
+    kernels are slow and do not batch) when the float32 weights fit in half the free memory. Measurements:
+    bench/RESULTS.md.
     """
     if requested not in DTYPES:
         raise ModelError(f"unknown dtype {requested!r} (choose from {', '.join(DTYPES)})")
@@ -130,7 +129,7 @@ def apply_dtype(model: Any, dtype: str) -> Any:
     if is_quantized(model):
         if dtype == "float32":
             # Dequantized in float32: scale * q + bias as the file has them, not rounded to the scales'
-            # float16 (and so the same weights as the quantized one-row products of mlxpipe.gemv).
+            # float16 (and so the same weights as the quantized one-row products of mlxpipe.cpu.gemv).
             for _, m in model.named_modules():
                 if isinstance(m, QUANTIZED):
                     m.update({k: m[k].astype(mx.float32) for k in ("scales", "biases") if k in m})

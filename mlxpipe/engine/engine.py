@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import mlx_lm
@@ -21,18 +21,16 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .. import models
 from ..cpu import blas, gemv, layers, quantized
-from ..errors import ConstraintError, ModelError, RecordError, first_line
+from ..errors import ModelError, first_line
 from ..events import Chunk, Done, decode_tps
 from ..records import Record
 from . import sampling
 from .batch import Batch
 from .choices import choose
+from .constraints import Constraints
 from .dtype import accelerator, apply_dtype, choose_dtype
 from .prefix import PrefixCache
 from .prompts import Prompts
-
-if TYPE_CHECKING:
-    from ..constrain import Grammars
 
 __all__ = ["Engine"]
 
@@ -74,7 +72,7 @@ class Engine:
         self.prefill_step = _CPU_PREFILL_STEP if accelerator() is None else _GPU_PREFILL_STEP
         self.prompts = Prompts(tokenizer, self.context_length)
         self.prefixes = PrefixCache(model, self.prefill_step)
-        self._grammars: Grammars | None = None
+        self.constraints = Constraints(tokenizer)
         self.vocab_size = len(tokenizer.get_vocab())
         # We check prompt length against the context ourselves, on the record's error line; the
         # tokenizer's own warning about it would be a stray line on stderr.
@@ -150,45 +148,14 @@ class Engine:
 
     def processors_for(self, record: Record) -> list[sampling.Processor]:
         """mlx-lm logits processors for ``record``: repetition penalty, then its constraint's token mask."""
-        constraint = record.settings.constraint
-        matcher = None
-        if constraint is not None:
-            try:
-                matcher = self.grammars.matcher(constraint)
-            except ConstraintError as exc:
-                raise RecordError(str(exc)) from None
-        return sampling.processors_for(record.settings, matcher)
-
-    @property
-    def grammars(self) -> Grammars:
-        """llguidance's view of this model's tokenizer (see :mod:`mlxpipe.constrain`), built on first use."""
-        if self._grammars is None:
-            from ..constrain import Grammars
-
-            try:
-                self._grammars = Grammars(
-                    getattr(self.tokenizer, "_tokenizer", self.tokenizer), self.tokenizer.eos_token_ids
-                )
-            except ConstraintError as exc:
-                raise RecordError(str(exc)) from None
-        return self._grammars
+        return sampling.processors_for(record.settings, self.constraints.matcher(record))
 
     def finish_fields(self, record: Record, text: str, finish_reason: str) -> dict[str, Any]:
-        """Extra :class:`Done` fields for a finished answer under ``record``'s constraint ({} without one).
+        """Extra :class:`Done` fields for a finished answer (:meth:`.constraints.Constraints.finish_fields`).
 
-        ``json`` for a JSON schema. Raises :class:`RecordError` when the answer is incomplete (max tokens,
-        a stop string, an interrupt). Every decoding path (sequential, batched) calls it for its done events;
-        choice lists never decode (see :mod:`.choices`).
+        Every decoding path (sequential, batched) calls it for its done events; choice lists never decode.
         """
-        from .. import constrain
-
-        constraint = record.settings.constraint
-        if constraint is None:
-            return {}
-        try:
-            return constrain.finish(self.grammars, constraint, text, finish_reason)
-        except ConstraintError as exc:
-            raise RecordError(str(exc)) from None
+        return self.constraints.finish_fields(record, text, finish_reason)
 
     # Generating
 
