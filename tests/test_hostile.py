@@ -8,6 +8,8 @@ accounted for: on stdout (or the --resume FILE) as whole lines, or in the one-li
 
 from __future__ import annotations
 
+import array
+import fcntl
 import json
 import os
 import resource
@@ -15,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import termios
 import threading
 import time
 from pathlib import Path
@@ -56,6 +59,16 @@ def lines(data: bytes) -> list[dict]:
 
 def finals(data: bytes) -> list[dict]:
     return [e for e in lines(data) if e["event"] in ("done", "error")]
+
+
+def wait_until_full(fd: int, p: subprocess.Popen[bytes]) -> None:
+    """Wait until the pipe read at ``fd`` holds what a pipe holds (so the writer has met a full pipe)."""
+    avail = array.array("i", [0])
+    while p.poll() is None:
+        fcntl.ioctl(fd, termios.FIONREAD, avail)
+        if avail[0] >= 60_000:  # of 64 KiB
+            return
+        time.sleep(0.01)
 
 
 def no_traceback(err: bytes) -> None:
@@ -114,7 +127,7 @@ def test_non_blocking_stdout_and_a_slow_reader_get_every_line(
         cwd=REPO,
     )
     os.close(w)
-    time.sleep(0.5)  # not an assertion: lets the pipe fill before anything is read
+    wait_until_full(r, p)  # the reader is slow: mlxpipe meets a full non-blocking pipe
     with open(r, "rb") as out:
         data = out.read()
     err = p.stderr.read() if p.stderr else b""
@@ -167,7 +180,7 @@ def test_non_blocking_stderr_gets_every_error_line() -> None:
     err = bytearray()
 
     def drain() -> None:
-        time.sleep(0.5)  # a slow reader: the pipe fills first
+        wait_until_full(r, p)  # a slow reader: mlxpipe meets a full non-blocking pipe
         with open(r, "rb") as f:
             err.extend(f.read())
 

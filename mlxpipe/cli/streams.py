@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import select
 import sys
 from typing import IO, cast
 
-__all__ = ["OutputError", "hold_standard_fds", "raw_stdout", "wait_ready", "write_all"]
+__all__ = ["OutputError", "hold_standard_fds", "raw_of", "raw_stdout", "wait_ready", "write_all"]
 
 
 class OutputError(Exception):
@@ -50,17 +51,28 @@ def hold_standard_fds() -> None:
                 os.close(held)
 
 
+def raw_of(stream: object) -> IO[bytes] | None:
+    """The raw byte stream under a text stream like ``sys.stderr``, or None (None, or no such layer).
+
+    With ``PYTHONUNBUFFERED`` the binary layer is itself raw: writing through the text layer would then
+    drop what a full non-blocking descriptor did not take, silently.
+    """
+    buffer = getattr(stream, "buffer", None)
+    raw = getattr(buffer, "raw", buffer if isinstance(buffer, io.RawIOBase) else None)
+    return cast("IO[bytes] | None", raw)
+
+
 def raw_stdout() -> IO[bytes]:
     """stdout unbuffered: each write is one ``write(2)``, ``None`` when a non-blocking one is full.
 
     The raw stream under ``sys.stdout`` when it has one (a test may put its own there), else descriptor 1.
     """
-    raw = getattr(getattr(sys.stdout, "buffer", None), "raw", None)
+    raw = raw_of(sys.stdout)
     if raw is None:
         return open(1, "wb", buffering=0, closefd=False)  # sys.stdout is None when 1 was closed
     with contextlib.suppress(OSError):
         sys.stdout.flush()  # nothing should be there; if it is, it goes first
-    return cast("IO[bytes]", raw)
+    return raw
 
 
 def wait_ready(fd: int, write: bool) -> None:

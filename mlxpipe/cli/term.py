@@ -20,7 +20,7 @@ from typing import IO
 
 from ..events import Chunk, Done, Event
 from ..reader import split_records
-from .streams import write_all
+from .streams import raw_of, write_all
 
 RED_BOLD, RESET = "\033[1;31m", "\033[0m"
 _ERROR = re.compile(r"^(mlxpipe[^:]*: )error\b")  # "mlxpipe[rank 2]: error" too
@@ -126,8 +126,7 @@ class Console:
     def __init__(self, stream: IO[str] | None = None, colour: bool | None = None) -> None:
         # Without a stream given, lines go to the raw stream under sys.stderr through the one writer (it may
         # be non-blocking); sys.stderr is still what the progress bar draws on, and is None when 2 was closed.
-        raw = getattr(getattr(sys.stderr, "buffer", None), "raw", None) if stream is None else None
-        self._raw: IO[bytes] | None = raw
+        self._raw = raw_of(sys.stderr) if stream is None else None
         self.stream = stream or sys.stderr
         self.colour = colour_enabled(self.stream) if colour is None else colour
         self.progress: Progress | None = None
