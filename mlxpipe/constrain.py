@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from copy import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import llguidance
 import numpy as np
@@ -44,12 +44,46 @@ class Constraint:
     labels: tuple[str, ...] = ()
 
 
+class _Bytes:
+    """A tokenizer of 256 one-byte tokens and an EOS, for llguidance: enough to learn, before any model is
+    loaded, whether a grammar admits any answer at all (every model's tokenizer can spell any bytes)."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens: ClassVar[list[bytes]] = [bytes([i]) for i in range(256)] + [b"</s>"]
+    special_token_ids: ClassVar[list[int]] = [256]
+
+    def __call__(self, data: bytes) -> list[int]:
+        return list(data)
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
+
+
 def _checked(kind: str, grammar: str, labels: tuple[str, ...] = ()) -> Constraint:
     problem = llguidance.LLMatcher.validate_grammar(grammar)
     if problem:
         first = problem.strip().splitlines()[0].removeprefix("at 1(8): ")
         raise ConstraintError(f"invalid {kind.replace('_', ' ')}: {first}")
+    # A grammar no answer satisfies ('[^\s\S]', a schema that is only a $ref loop): its matcher is stopped
+    # in error before the first byte. Refused now, not after loading the model, record after record.
+    tokenizer = _byte_tokenizer()
+    probe = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if not probe.is_error():  # the first mask is where an empty grammar shows
+        fill_next_token_bitmask(probe, allocate_token_bitmask(1, tokenizer.vocab_size))
+    if probe.is_error():
+        raise ConstraintError(f"{kind.replace('_', ' ')} admits no answer: {_reason(probe.get_error())}")
     return Constraint(kind, grammar, labels)
+
+
+def _reason(error: str) -> str:
+    """llguidance's error, on one line: its first line, or what "stopped with no way on" means."""
+    first = (error.strip().splitlines() or [""])[0].removeprefix("at 1(8): ")
+    if not first or first.startswith(("NoExtension", "<state>")):
+        return "nothing can match it"
+    return first
 
 
 @functools.lru_cache(maxsize=256)  # JSONL records often repeat one schema; compiling it once is enough
@@ -197,16 +231,34 @@ class Grammars:
             raise ConstraintError(f"invalid {constraint.kind.replace('_', ' ')}: {m.get_error()}")
         return Matcher(m, self.tokenizer.vocab_size, self.eos)
 
-    def complete(self, constraint: Constraint, text: str) -> bool:
+    def complete(self, constraint: Constraint, text: str, finish_reason: str = "stop") -> bool:
         """Whether ``text`` is a whole answer of ``constraint``'s grammar (checked afresh from the text)."""
+        return self.problem(constraint, text, finish_reason) is None
+
+    def problem(self, constraint: Constraint, text: str, finish_reason: str) -> str | None:
+        """Why ``text``, ended for ``finish_reason``, is not a whole answer of ``constraint``; None if it is.
+
+        An answer cut by max tokens ("length") is whole only when the grammar is *stopped* there (nothing
+        could follow): merely accepting (``-12`` of a number, which ``-12345`` continues) is not enough.
+        Ended otherwise (EOS, a stop string, an interrupt), it is whole when the grammar accepts it.
+        """
         m = llguidance.LLMatcher(self.tokenizer, constraint.grammar, log_level=0)
-        return m.consume_tokens(self.tokenizer.tokenize_str(text)) and m.is_accepting()
+        if not m.is_error():  # the first mask is where an empty grammar shows
+            fill_next_token_bitmask(m, allocate_token_bitmask(1, self.tokenizer.vocab_size))
+        if m.is_error():  # no answer at all: say so, not "ended by a stop string"
+            return f"{constraint.kind.replace('_', ' ')} admits no answer: {_reason(m.get_error())}"
+        if not m.consume_tokens(self.tokenizer.tokenize_str(text)) or m.is_error():
+            return "answer does not match the constraint"
+        whole = m.is_accepting() and (finish_reason != "length" or m.is_stopped())
+        if whole:
+            return None
+        return INCOMPLETE.get(finish_reason, "answer incomplete")
 
 
 INCOMPLETE = {
     "length": "answer incomplete: max tokens reached",
     "interrupted": "answer incomplete: interrupted",
-    "stop": "answer incomplete: ended by a stop string",
+    "stop": "answer incomplete: ended by a stop string or the end of the answer",
 }
 
 
@@ -216,8 +268,9 @@ def finish(grammars: Grammars, constraint: Constraint, text: str, finish_reason:
     Raises ConstraintError when ``text`` is not a complete answer (cut by max tokens, a stop string or
     an interrupt): such a record is an error line, never a partial answer passed off as done.
     """
-    if not grammars.complete(constraint, text):
-        raise ConstraintError(INCOMPLETE.get(finish_reason, "answer does not match the constraint"))
+    problem = grammars.problem(constraint, text, finish_reason)
+    if problem is not None:
+        raise ConstraintError(problem)
     if constraint.kind != "json_schema":
         return {}
     try:

@@ -22,9 +22,17 @@ ignore what they do not know.
 
 ``id`` is the record's own ``id`` field when it has one, else its 1-based record number.
 ``tokens`` counts generated tokens so far (the EOS token included, as mlx-lm counts them);
-``tps`` is generation tokens per second. ``prompt_tokens`` is the whole prompt; ``prompt_tps`` is
+``tps`` is generation tokens per second: the tokens after the first over the time since the first came
+(:func:`decode_tps`), so 0.0 until a second token has come (one token alone has no rate), the same one at a
+time and under ``--batch``. ``prompt_tokens`` is the whole prompt; ``prompt_tps`` is
 ``prompt_tokens`` over the time to the first token (a reused shared prefix counts as processed, so it
 shows the saving; under ``--batch`` the time includes waiting for the batch's step).
+``file`` is the input's name as given (``<stdin>`` for standard input). A name's bytes that are not UTF-8
+are written as the escapes ``\\udc80`` to ``\\udcff`` (Python's "surrogateescape": byte 0xNN is
+``\\udcNN``), so every line stays valid UTF-8 and the name round-trips:
+``os.fsencode(json.loads(line)["file"])`` gives back its bytes. An input FILE that cannot be read (an
+I/O error, removed before its turn) is one ``error`` line with ``error`` "cannot read FILE: REASON" at the
+line where reading stopped, and the run goes on.
 ``finish_reason`` is "stop" on EOS or a stop string, "length" at max tokens, "interrupted" when SIGINT or
 SIGTERM ended the record early.
 
@@ -37,7 +45,10 @@ the prompt, then normalised over the labels (a softmax), so the values add up to
 probable label (at temperature T > 0, one drawn from those log probabilities divided by T), so the
 answer always agrees with its probabilities; ``tokens`` is the chosen label's token count. An answer that
 max tokens, a stop string or an interrupt cut short is an ``error`` ("answer incomplete: max tokens
-reached", …), never a ``done``.
+reached", …), never a ``done``. An answer that reached max tokens is complete only when the constraint
+could not have continued it (llguidance's matcher is *stopped*): ``-12`` of a number schema is accepted
+by the grammar but not complete. A constraint that admits no answer at all is a usage error before the
+model loads (or, for a record's own, that record's error line).
 
 Every record of the input gets exactly one ``done`` or ``error`` line, in input order (``--unordered``
 keeps the one line, not the order). ``id`` is a string or an integer, and ``file`` and ``line`` name
@@ -49,12 +60,26 @@ instead of stdout, except ``done`` lines of interrupted records (see :mod:`mlxpi
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
 
 def _dumps(obj: dict[str, Any]) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    # A lone surrogate (a name's byte that was not UTF-8) cannot be encoded: write it as its JSON escape.
+    # Outside strings JSON has no such character, so every match is inside one.
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def decode_tps(tokens: int, first: float, now: float) -> float:
+    """Generation tokens per second: the ``tokens - 1`` after the first over the seconds since the first
+    came (at ``first``); 0.0 until there are two."""
+    if tokens < 2 or now <= first:
+        return 0.0
+    return (tokens - 1) / (now - first)
 
 
 @dataclass(frozen=True)

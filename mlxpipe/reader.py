@@ -20,6 +20,12 @@ What is accepted, and what is not (each refused record becomes one error line; t
   Settings are checked by :func:`settings_from_object`; unknown fields are kept for ``--template``
   and echoed in ``input``, never interpreted or evaluated.
 - A record longer than ``--max-line-bytes`` (default 1 MiB) is an error without being read into memory.
+- An input that fails while it is read (an I/O error, a FILE removed before its turn, a closed stdin)
+  becomes one error line for that input, at the line where reading stopped: ``"error": "cannot read FILE:
+  REASON"``; its ``id`` is the next record number. The run goes on with the next input. A non-blocking
+  input (a parent may set stdin so) is waited on when it has nothing yet, never taken as its end.
+- Lines mode with ``--template``: a prompt that is blank once the template is filled is refused, as in
+  JSONL.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import functools
 import json
 import math
 import re
+import select
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import IO, Any
@@ -47,7 +54,9 @@ MAX_STOPS = 64
 def split_records(stream: IO[bytes], sep: bytes, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
     """Yield ``(number, record)`` for each ``sep``-terminated record; ``None`` for one over ``max_bytes``.
 
-    Reads with ``read1`` so that a record is yielded as soon as it arrives (pipes, terminals).
+    Reads with ``read1`` (or one ``read`` of a raw stream) so that a record is yielded as soon as it
+    arrives (pipes, terminals). A non-blocking stream with nothing yet (``None``) is waited on. An
+    ``OSError`` of the stream is raised, with ``number`` records yielded before it.
     """
     read = getattr(stream, "read1", stream.read)
     buf = bytearray()
@@ -55,6 +64,9 @@ def split_records(stream: IO[bytes], sep: bytes, max_bytes: int) -> Iterator[tup
     overlong = False
     while True:
         chunk = read(1 << 16)
+        if chunk is None:  # non-blocking and nothing there yet: not the end
+            _wait_readable(stream.fileno())
+            continue
         if not chunk:
             break
         start = 0
@@ -75,6 +87,15 @@ def split_records(stream: IO[bytes], sep: bytes, max_bytes: int) -> Iterator[tup
                 buf.clear()
     if buf or overlong:
         yield number + 1, None if overlong else bytes(buf)
+
+
+def _wait_readable(fd: int) -> None:
+    if hasattr(select, "poll"):
+        waiter = select.poll()
+        waiter.register(fd, select.POLLIN)
+        waiter.poll()  # an error or hang-up ends the wait too: the next read says which
+    else:  # pragma: no cover
+        select.select([fd], [], [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,6 +141,8 @@ def settings_from_object(obj: Mapping[str, Any], base: Settings) -> Settings:
 
 def _shown(value: Any, limit: int = 40) -> str:
     """A JSON value as shown in an error message: short, on one line."""
+    if isinstance(value, float) and not math.isfinite(value):  # from the command line: JSON has no inf
+        return repr(value)
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -224,9 +247,21 @@ class RecordReader:
         self.count = 0
 
     def read(self, name: str, stream: IO[bytes]) -> Iterator[Record | BadRecord]:
-        """Yield one :class:`Record` or :class:`BadRecord` per non-blank record of ``stream``."""
+        """Yield one :class:`Record` or :class:`BadRecord` per non-blank record of ``stream``.
+
+        A read that fails ends ``stream`` with one :class:`BadRecord` saying why (:meth:`unreadable`).
+        """
         sep = b"\0" if self.fmt.null else b"\n"
-        for line, raw in split_records(stream, sep, self.fmt.max_line_bytes):
+        lines = split_records(stream, sep, self.fmt.max_line_bytes)
+        line = 0
+        while True:
+            try:
+                line, raw = next(lines)
+            except StopIteration:
+                return
+            except OSError as exc:
+                yield self.unreadable(name, line + 1, exc)
+                return
             if raw is not None:
                 raw = raw[:-1] if raw.endswith(b"\r") else raw
                 if line == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
@@ -244,6 +279,12 @@ class RecordReader:
                 )
                 continue
             yield self.parse(name, line, raw)
+
+    def unreadable(self, name: str, line: int, exc: OSError) -> BadRecord:
+        """The error line of input ``name`` that could not be opened or read on from ``line`` on."""
+        self.count += 1
+        reason = exc.strerror or type(exc).__name__
+        return BadRecord(self.count, name, line, self.count, f"cannot read {name}: {reason}")
 
     def parse(self, name: str, line: int, raw: bytes) -> Record | BadRecord:
         """Turn one record's bytes (separator stripped) into a record numbered ``self.count``."""
@@ -267,6 +308,8 @@ class RecordReader:
                 return BadRecord(
                     index, name, line, index, f"template field {exc} is not available in lines mode"
                 )
+            if not text.strip():
+                return BadRecord(index, name, line, index, "the template gave an empty prompt")
         return Record(index, name, line, index, text, self.settings, prompt=text, lead=lead)
 
     def _from_json(self, name: str, line: int, raw: bytes) -> Record | BadRecord:

@@ -8,18 +8,26 @@ it exits 0 leaves FILE with exactly one ``done`` line per record. A record's lat
 result (an error line may be followed by a done line for the same ``id`` when a retry succeeds).
 
 Each line is written with one ``write`` and is never buffered, so a kill can leave at most the last
-line torn; such a line (no final newline) is cut off here before anything is appended. A file that
-is not mlxpipe output (a line that is not a JSON event object) is refused, never appended to. The
-file is locked while in use (where the platform has ``fcntl``), so two runs cannot interleave.
+line torn; such a line (no final newline) is cut off here before anything is appended, but only when it
+is recognisably the start of an mlxpipe event (``{"event":"`` or a prefix of it). A file that is not
+mlxpipe output (a whole line that is not a JSON event object, or a torn tail that is not the start of one)
+is refused, never appended to or cut. So is a FILE that is not a regular file (a FIFO, a device, a socket:
+they would hang, swallow the output or never end) and a FILE that is also one of the inputs (the run would
+read its own output). A line that cannot be written whole (a full disk, a file size limit) is cut back
+off, so FILE still ends in a whole line. The file is locked while in use (where the platform has
+``fcntl``), so two runs cannot interleave.
 Records without an ``id`` field are known by their record number, so the input must not change
 between runs; with ``id`` fields, the ids must be unique.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
-from collections.abc import Callable
+import stat
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -46,16 +54,20 @@ class ResumeFile:
     torn_bytes: int = 0  # size of the torn last line that was cut off, 0 when there was none
 
     @classmethod
-    def open(cls, path: str) -> ResumeFile:
+    def open(cls, path: str, inputs: Iterable[str] = ()) -> ResumeFile:
         """Open (or create) ``path``, lock it, read what is done and cut off a torn last line.
 
-        Raises :class:`UsageError` when the file cannot be used.
+        ``inputs`` are the run's input FILEs (``-`` is stdin): ``path`` must not be one of them. Raises
+        :class:`UsageError` when the file cannot be used.
         """
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; a regular file ignores it.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK, 0o666)
         except OSError as exc:
             raise UsageError(f"cannot open --resume file {path}: {exc.strerror}") from None
         try:
+            _check_kind(fd, path, inputs)
+            os.set_blocking(fd, True)
             if fcntl is not None:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -65,7 +77,7 @@ class ResumeFile:
             if good_end < size:
                 os.ftruncate(fd, good_end)
             # Unbuffered: each line reaches the file in the write call that carries it.
-            out = os.fdopen(fd, "ab", buffering=0)
+            out = _WholeLines(fd, "ab")
         except BaseException:
             os.close(fd)
             raise
@@ -83,6 +95,45 @@ class ResumeFile:
         return record_key(rid) in self.done
 
 
+class _WholeLines(io.FileIO):
+    """FILE's append-only stream: each write puts its line in whole, or cuts FILE back to where it was."""
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        start = os.lseek(self.fileno(), 0, os.SEEK_END)
+        done = 0
+        try:
+            while done < len(view):
+                written = super().write(view[done:])
+                if not written:  # a regular file takes something or raises; never loop on nothing
+                    raise OSError(errno.EIO, "nothing written")
+                done += written
+        except OSError:
+            os.ftruncate(self.fileno(), start)  # no torn line left behind
+            raise
+        return done
+
+
+def _check_kind(fd: int, path: str, inputs: Iterable[str]) -> None:
+    """Refuse a FILE that is not a regular file, or that is also one of the inputs."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"--resume file {path} is not a regular file (a FIFO, device or socket)")
+    for name in inputs:
+        try:
+            other = os.fstat(0) if name == "-" else os.stat(name)
+        except OSError:
+            continue  # an input that cannot be read is reported as such
+        if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+            raise UsageError(
+                f"--resume file {path} is also an input of this run: it would read its own output"
+            )
+
+
+# What a torn last line may be: the start of a line mlxpipe writes (compact JSON, "event" first).
+_EVENT_START = b'{"event":"'
+
+
 def _scan(path: str) -> tuple[set[str], int, int]:
     """Read ``path``: the keys of done records, the end of its last whole line, and its size."""
     done: set[str] = set()
@@ -90,7 +141,13 @@ def _scan(path: str) -> tuple[set[str], int, int]:
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if not line.endswith(b"\n"):
-                break  # torn: the kill came in the middle of writing it
+                # torn: the kill came in the middle of writing it. Cut only what is surely ours.
+                if not (line.startswith(_EVENT_START) or _EVENT_START.startswith(line)):
+                    raise UsageError(
+                        f"--resume file {path}:{number} is not mlxpipe JSONL output (its last line is not "
+                        "an mlxpipe event cut short); refusing to cut or append to it"
+                    )
+                break
             good_end += len(line)
             if not line.strip():
                 continue

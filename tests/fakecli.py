@@ -4,8 +4,9 @@
 
 Everything but the engine is the real thing: argument parsing, readers, pipeline, renderer, signals,
 exit codes. ``FAKE_DELAY`` (seconds, default 0) is slept before each record's answer, so that a test
-can kill the process in the middle of a run. With ``FAKE_SINK=1`` stdout goes to a sink that only
-counts lines (said on stderr at exit): a million-record run then measures mlxpipe, not write(2).
+can kill the process in the middle of a run; ``--batch N`` steps the records in flight one event each.
+With ``FAKE_SINK=1`` stdout goes to a sink that only counts lines (said on stderr at exit): a
+million-record run then measures mlxpipe, not write(2).
 """
 
 from __future__ import annotations
@@ -48,6 +49,42 @@ class Engine(FakeEngine):
         if DELAY:
             time.sleep(DELAY)
         return super().generate(record, should_stop)
+
+    def batch(self, size: int) -> Batch:
+        return Batch(self)
+
+
+class Batch:
+    """``--batch``: each record in flight advances by one event of its generate() per step."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.slots: dict[int, Iterator[Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def add(self, record: Record) -> None:
+        self.slots[record.index] = iter(self.engine.generate(record))
+
+    def step(self) -> list[Any]:
+        out = []
+        for index, events in list(self.slots.items()):
+            event = next(events)
+            out.append(event)
+            if event.kind != "chunk":
+                del self.slots[index]
+        return out
+
+    def interrupt(self) -> list[Any]:
+        out = []
+        for events in self.slots.values():
+            out.extend(e for e in events if e.kind != "chunk")
+        self.slots.clear()
+        return out
+
+    def close(self) -> None:
+        self.slots.clear()
 
 
 fake = types.ModuleType("mlxpipe.engine")

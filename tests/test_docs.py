@@ -78,7 +78,7 @@ def test_man_page_has_every_section_and_option_group() -> None:
         assert f".SS {group}\n" in options
     for var in ("MLXPIPE_MODEL", "NO_COLOR", "XDG_CACHE_HOME"):
         assert f".B {var}\n" in between(text, ".SH ENVIRONMENT", ".SH ")
-    for status in ("0", "1", "2", "3", "130", "143"):
+    for status in ("0", "1", "2", "3", "4", "130", "143"):
         assert f".B {status}\n" in between(text, '.SH "EXIT STATUS"', ".SH ")
 
 

@@ -321,3 +321,19 @@ def test_resume_under_mlx_launch_skips_the_same_records_on_every_rank(tmp_path: 
     assert r.stderr.decode().count(f"mlxpipe: {out}: cut off a torn last line") == 1  # rank 0 alone
     assert "exited with code" not in r.stderr.decode()  # every rank exited 0
     assert [e["id"] for e in finals(out.read_bytes())] == ["d1", "d4", "d0", "d2", "d3", "d5"]
+
+
+@pytest.mark.parametrize("mode", BATCH)
+def test_tps_is_zero_until_a_second_token_never_a_billion(mode: list[str]) -> None:
+    """One token has no rate: the first chunk and a 1-token done say 0.0, also batched (issue 20)."""
+    r = run_cli(
+        ["--jsonl", "--raw", *mode],
+        input=b'{"prompt": "Hi", "max_tokens": 1}\n{"prompt": "Hi", "max_tokens": 5}\n',
+    )
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    one = [e for e in events if e["id"] == 1]
+    assert [e["tps"] for e in one] == [0.0] * len(one)
+    five = [e for e in events if e["id"] == 2]
+    assert five[0]["tps"] == 0.0 and five[-1]["event"] == "done" and five[-1]["tokens"] == 5
+    assert 0.0 < five[-1]["tps"] < 1e6

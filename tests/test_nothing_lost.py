@@ -220,16 +220,17 @@ def test_kill_at_random_moments_then_resume_does_every_record_once(tmp_path: Pat
 
 
 def test_resume_refuses_a_file_that_is_not_its_output(tmp_path: Path) -> None:
-    inp = tmp_path / "in.jsonl"
+    inp, notes = tmp_path / "in.jsonl", tmp_path / "notes.jsonl"
     inp.write_text('{"prompt": "a"}\n')
+    notes.write_text('{"prompt": "a"}\n')
     r = subprocess.run(
-        [*FAKECLI, "--jsonl", "--resume", str(inp), str(inp)], capture_output=True, env=cli_env(), cwd=REPO
+        [*FAKECLI, "--jsonl", "--resume", str(notes), str(inp)], capture_output=True, env=cli_env(), cwd=REPO
     )
     assert r.returncode == 2 and r.stdout == b""
     assert r.stderr.decode() == (
-        f"mlxpipe: error: --resume file {inp}:1 is not mlxpipe JSONL output; refusing to append to it\n"
+        f"mlxpipe: error: --resume file {notes}:1 is not mlxpipe JSONL output; refusing to append to it\n"
     )
-    assert inp.read_text() == '{"prompt": "a"}\n'
+    assert notes.read_text() == '{"prompt": "a"}\n'
 
 
 def test_resume_needs_jsonl_output_and_a_free_file(tmp_path: Path) -> None:

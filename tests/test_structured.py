@@ -231,3 +231,42 @@ def test_max_tokens_cut_prints_no_partial_answer_in_text_mode() -> None:
     assert r.returncode == 1
     assert r.stdout == b"\n"  # the record's (empty) line, never a piece of JSON
     assert r.stderr.decode() == "mlxpipe: error (at <stdin>:1): answer incomplete: max tokens reached\n"
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("batch", ["1", "3"])
+@pytest.mark.parametrize(
+    ("constraint", "prompt"),
+    [
+        (["--json-schema", '{"type": "number"}'], "Write the number minus twelve million, digit by digit."),
+        (["--regex", "[a-z ]+"], "Write a long sentence about the sea."),
+    ],
+    ids=["number", "regex"],
+)
+def test_an_answer_the_grammar_accepts_but_max_tokens_cut_is_an_error(
+    batch: str, constraint: list[str], prompt: str
+) -> None:
+    """-12 of a number is accepted by the grammar, yet -12345 continues it: max tokens cut it (issue 20)."""
+    r = run_cli(["--out", "jsonl", "-n", "3", "--batch", batch, *constraint], input=f"{prompt}\n{prompt}\n")
+    assert r.returncode == 1
+    finals = [e for e in events(r.stdout) if e["event"] != "chunk"]
+    assert [(e["event"], e.get("error")) for e in finals] == [
+        ("error", "answer incomplete: max tokens reached")
+    ] * 2
+
+
+@pytest.mark.model
+def test_complete_at_max_tokens_only_when_the_grammar_is_stopped(engine) -> None:
+    """The check itself, with the real tokenizer: stopped (nothing could follow) versus merely accepting."""
+    grammars = engine.constraints.grammars
+    number = constrain.json_schema({"type": "number"})
+    assert grammars.problem(number, "-12", "length") == "answer incomplete: max tokens reached"
+    assert grammars.problem(number, "-12", "stop") is None  # the model ended it: -12 is its answer
+    three = constrain.regex("[a-z]{3}")
+    assert grammars.problem(three, "abc", "length") is None  # nothing can follow: complete
+    assert grammars.problem(three, "ab", "length") == "answer incomplete: max tokens reached"
+    obj = constrain.json_schema(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    )
+    assert grammars.problem(obj, '{"a":1}', "length") is None
+    assert grammars.problem(three, "a1", "stop") == "answer does not match the constraint"

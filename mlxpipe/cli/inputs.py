@@ -4,39 +4,110 @@ the default settings of every record."""
 from __future__ import annotations
 
 import argparse
-import sys
+import os
+import stat
 from collections.abc import Iterator
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
-from ..reader import STDIN, RecordReader
+from ..reader import STDIN, RecordReader, settings_from_object
 from ..records import BadRecord, Record, Settings, Template
 
 if TYPE_CHECKING:
     from ..constrain import Constraint
 
-__all__ = ["check_files", "constraint", "records", "settings", "template"]
+__all__ = ["check", "check_files", "constraint", "records", "settings", "template"]
+
+MAX_TEXT_FILE_BYTES = 1 << 20  # --template-file: far above any template, far below what /dev/zero would fill
+
+# Options whose value names a file: any bytes (a name that is not UTF-8 arrives surrogate-escaped).
+_PATH_OPTIONS = frozenset({"files", "resume", "template_file", "grammar", "model"})
+
+# The command line's settings and the record fields they default: checked by the same code, to one set of
+# bounds (mlxpipe.reader.settings_from_object).
+_SETTING_FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temp",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "seed": "--seed",
+    "stop": "--stop",
+}
+MAX_REPETITION_PENALTY = 100.0
 
 
-def _inputs(files: list[str], private_stdin: bool = False) -> Iterator[tuple[str, IO[bytes]]]:
-    for name in files or ["-"]:
-        if name == "-" and private_stdin:
-            # A reader thread still blocked on sys.stdin at exit makes Python abort at shutdown
-            # ("could not acquire lock"); a private reader of the same descriptor is not finalized.
-            with open(sys.stdin.fileno(), "rb", closefd=False) as stdin:
-                yield STDIN, stdin
-        elif name == "-":
-            yield STDIN, sys.stdin.buffer
-        else:
-            with open(name, "rb") as f:
-                yield name, f
+def check(args: argparse.Namespace) -> None:
+    """Refuse, as a usage error, text options that are not UTF-8 and settings out of the bounds a record's
+    own settings have (``--temp inf``, ``--stop ''``)."""
+    for dest, value in vars(args).items():
+        inline_schema = dest == "json_schema" and isinstance(value, str) and value.lstrip().startswith("{")
+        if dest in _PATH_OPTIONS or (dest == "json_schema" and not inline_schema):
+            continue
+        byte = _undecodable(value)
+        if byte is not None:
+            flag = "FILE" if dest == "files" else "--" + dest.replace("_", "-")
+            raise UsageError(f"{flag} is not valid UTF-8 text (it holds the byte \\x{byte:02x})")
+    given = {"max_tokens": args.max_tokens, "temperature": args.temp, "top_p": args.top_p}
+    given |= {"top_k": args.top_k, "min_p": args.min_p}
+    if args.seed is not None:
+        given["seed"] = args.seed
+    if args.stop is not None:
+        given["stop"] = list(args.stop)
+    try:
+        settings_from_object(given, Settings())
+    except ValueError as exc:
+        message = str(exc)
+        for field, flag in _SETTING_FLAGS.items():
+            message = message.replace(repr(field), flag)
+        raise UsageError(message) from None
+    penalty = args.repetition_penalty
+    if penalty is not None and not 0 <= penalty <= MAX_REPETITION_PENALTY:
+        raise UsageError(
+            f"--repetition-penalty must be a number in [0, {MAX_REPETITION_PENALTY:g}], got {penalty}"
+        )
+
+
+def _undecodable(value: Any) -> int | None:
+    """The first byte of ``value`` (a string, or strings in lists and dicts) that was not UTF-8."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            for char in item:
+                if "\udc80" <= char <= "\udcff":  # surrogateescape: how argv carries a byte that is not UTF-8
+                    return ord(char) - 0xDC00
+                if "\ud800" <= char <= "\udfff":
+                    return 0x3F
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return None
 
 
 def records(
     files: list[str], reader: RecordReader, private_stdin: bool = False
 ) -> Iterator[Record | BadRecord]:
-    for name, stream in _inputs(files, private_stdin):
-        yield from reader.read(name, stream)
+    """Every record of the inputs in order (``-`` or no FILE: stdin). A FILE that cannot be opened at its
+    turn (removed since the start, say) is one error line, and the run goes on with the next.
+
+    Inputs are read unbuffered, one ``read`` at a time: a record is taken as soon as it arrives, and a
+    non-blocking descriptor says "nothing yet" instead of looking like its end. Descriptor 0 is read
+    directly (``sys.stdin`` is None when it was closed); ``private_stdin`` is kept for callers that read
+    from a helper thread, which this always allows.
+    """
+    del private_stdin  # always private: a thread blocked on sys.stdin at exit made Python abort at shutdown
+    for name in files or ["-"]:
+        shown = STDIN if name == "-" else name
+        try:
+            stream = open(0 if name == "-" else name, "rb", buffering=0, closefd=name != "-")  # noqa: SIM115
+        except OSError as exc:
+            yield reader.unreadable(shown, 1, exc)
+            continue
+        with stream:
+            yield from reader.read(shown, stream)
 
 
 def template(args: argparse.Namespace) -> Template | None:
@@ -44,16 +115,29 @@ def template(args: argparse.Namespace) -> Template | None:
         raise UsageError("--template and --template-file cannot be used together")
     text = args.template
     if args.template_file is not None:
+        name = args.template_file
         try:
-            with open(args.template_file, encoding="utf-8") as f:
-                text = f.read().rstrip("\n")
+            with open(name, "rb") as f:
+                data = f.read(MAX_TEXT_FILE_BYTES + 1)
         except OSError as exc:
-            raise UsageError(f"cannot read template file: {exc}") from None
+            raise UsageError(f"cannot read template file {name}: {exc.strerror}") from None
+        if len(data) > MAX_TEXT_FILE_BYTES:
+            raise UsageError(f"template file {name} is larger than {MAX_TEXT_FILE_BYTES} bytes")
+        try:
+            text = data.decode("utf-8").rstrip("\n")
+        except UnicodeDecodeError as exc:
+            raise UsageError(
+                f"template file {name} is not UTF-8 text (invalid byte at {exc.start})"
+            ) from None
+        if "\0" in text:
+            raise UsageError(f"template file {name} is not text (it holds a NUL byte)")
     if text is None:
         return None
     template = Template.parse(text)
     if args.in_format == "lines" and set(template.fields) - {"line"}:
         raise UsageError("in lines mode a template can only use {line}")
+    if not template.fields and not text.strip():
+        raise UsageError("the template gives an empty prompt")
     return template
 
 
@@ -105,10 +189,21 @@ def settings(args: argparse.Namespace, constraint: Constraint | None) -> Setting
 
 
 def check_files(files: list[str]) -> None:
+    """Refuse (a usage error) a FILE that cannot be read at the start: missing, unreadable, a directory or
+    a socket. A FIFO or device is only looked at, never opened here: opening a FIFO waits for its writer."""
     for name in files:
-        if name != "-":
-            try:
+        if name == "-":
+            continue
+        try:
+            st = os.stat(name)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(21, "Is a directory")
+            if stat.S_ISSOCK(st.st_mode):
+                raise OSError(6, "is a socket, not a file")
+            if stat.S_ISREG(st.st_mode):
                 with open(name, "rb"):
                     pass
-            except OSError as exc:
-                raise UsageError(f"cannot open {name}: {exc.strerror}") from None
+            elif not os.access(name, os.R_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as exc:
+            raise UsageError(f"cannot open {name}: {exc.strerror}") from None

@@ -1,7 +1,9 @@
 """The command line: parse arguments, run the records, render events, map errors to exit codes.
 
 Data goes to stdout, flushed per chunk; everything else goes to stderr. Exit status: 0 every record
-done, 1 some record failed, 2 usage error, 3 model could not be loaded, 128+signal when interrupted.
+done, 1 some record failed, 2 usage error, 3 model could not be loaded, 4 output could not be written
+(stdout other than a closed pipe, stderr, or the ``--resume`` FILE: see :mod:`.streams`), 128+signal when
+interrupted.
 Under ``mlx.launch`` rank 0 writes and carries the job's status; the other ranks answer their share
 (:mod:`mlxpipe.distributed`) and exit 0.
 """
@@ -12,7 +14,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ from . import inputs
 from .options import build_parser
 from .render import Renderer, Stats
 from .signals import Interrupts
+from .streams import OutputError, hold_standard_fds, raw_stdout, write_all
 from .term import Console
 
 if TYPE_CHECKING:
@@ -32,16 +34,19 @@ if TYPE_CHECKING:
     from ..distributed import Ranks
     from ..engine import Engine
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MODEL = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MODEL, EXIT_OUTPUT = 0, 1, 2, 3, 4
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run mlxpipe with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    hold_standard_fds()  # before anything is opened: a closed 1 must not become the --resume FILE
     console = Console()
     try:
-        return _main(argv, console)
+        status = _main(argv, console)
     finally:
         console.close()
+    # A message that could not be said on stderr is output lost, as a failed stdout is.
+    return EXIT_OUTPUT if console.lost is not None and status in (EXIT_OK, EXIT_FAILED) else status
 
 
 def _main(argv: list[str] | None, console: Console) -> int:
@@ -54,6 +59,7 @@ def _main(argv: list[str] | None, console: Console) -> int:
     try:
         if args.unordered and args.out_format != "jsonl":
             raise UsageError("--unordered needs JSONL output (--out jsonl): text lines carry no id")
+        inputs.check(args)
         template = inputs.template(args)
         constraint = inputs.constraint(args)
         if args.resume is not None and args.out_format != "jsonl":
@@ -120,7 +126,11 @@ def _start(args: argparse.Namespace, console: Console, ranks: Ranks) -> _Started
     try:
         inputs.check_files(args.files)
         if args.resume is not None:  # rank 0 reads and writes FILE; under mlx.launch it tells the others
-            resume = ResumeFile.open(args.resume) if ranks.rank == 0 else ResumeFile(args.resume, None)
+            resume = (
+                ResumeFile.open(args.resume, inputs=args.files or ["-"])
+                if ranks.rank == 0
+                else ResumeFile(args.resume, None)
+            )
             if resume.torn_bytes:
                 console.say(f"mlxpipe: {args.resume}: cut off a torn last line ({resume.torn_bytes} bytes)")
     except UsageError as exc:
@@ -157,7 +167,13 @@ def _load(args: argparse.Namespace, console: Console, ranks: Ranks) -> Engine | 
         return EXIT_MODEL
     if args.model_info:
         if ranks.rank == 0:
-            sys.stdout.write(json.dumps(engine.info(), ensure_ascii=False) + "\n")
+            try:
+                write_all(raw_stdout(), (json.dumps(engine.info(), ensure_ascii=False) + "\n").encode())
+            except BrokenPipeError:
+                pass
+            except OSError as exc:
+                console.say(f"mlxpipe: error: {OutputError('stdout', exc)}")
+                return EXIT_OUTPUT
         return EXIT_OK
     if engine.context_length and args.max_tokens > engine.context_length:
         console.say(
@@ -190,12 +206,13 @@ def _run(
             return engine
         jsonl_out = args.out_format == "jsonl"
         renderer = Renderer(
-            resume.out if resume is not None and resume.out is not None else sys.stdout.buffer,
+            resume.out if resume is not None and resume.out is not None else raw_stdout(),
             jsonl=jsonl_out,
             # Constrained text is printed whole once complete: a cut-short answer never reaches stdout.
             stream=not args.no_stream and resume is None and (jsonl_out or constraint is None),
             one_line=args.one_line,
             null=args.null,
+            name="stdout" if resume is None else f"--resume file {args.resume}",
         )
         if ranks.rank == 0:
             console.start_progress(args.files, args.null, args.max_line_bytes, args.quiet)
@@ -233,8 +250,12 @@ def _run(
         except BrokenPipeError:
             # The reader went away (`| head`): stop generating, say nothing, succeed.
             events.close()
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
             return EXIT_OK
+        except OutputError as exc:  # the records written before are whole lines; the rest are not written
+            events.close()
+            console.say(f"mlxpipe: error: {exc}; the records after the last whole line were not written")
+            return EXIT_OUTPUT
         except RanksDisagree as exc:
             console.say(
                 f"mlxpipe: error: the ranks of the mlx.launch job read different records ({exc}); every rank "

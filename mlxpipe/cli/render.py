@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from ..events import Chunk, Done, Error, Event
+from .streams import OutputError, write_all
 
 __all__ = ["Renderer", "Stats"]
 
@@ -44,10 +45,24 @@ _NEWLINES = re.compile(r"[\r\n]+")
 
 
 class Renderer:
-    """Writes events to stdout as text or JSONL."""
+    """Writes events to stdout (or ``--resume``'s FILE, named ``name``) as text or JSONL.
 
-    def __init__(self, out: IO[bytes], *, jsonl: bool, stream: bool, one_line: bool, null: bool) -> None:
+    A write that fails raises :class:`.streams.OutputError`, except a broken pipe (the reader went away),
+    which stays ``BrokenPipeError``.
+    """
+
+    def __init__(
+        self,
+        out: IO[bytes],
+        *,
+        jsonl: bool,
+        stream: bool,
+        one_line: bool,
+        null: bool,
+        name: str = "stdout",
+    ) -> None:
         self.out = out
+        self.name = name
         self.jsonl = jsonl
         self.stream = stream
         self.one_line = one_line
@@ -69,9 +84,11 @@ class Renderer:
         return _NEWLINES.sub(" ", text) if self.one_line else text
 
     def _emit(self, data: bytes) -> None:
-        # Whole lines in one write each (a raw file may take less; then the rest follows at once).
-        view = memoryview(data)
-        while view:
-            written = self.out.write(view)
-            view = view[written if written is not None else len(view) :]
-        self.out.flush()
+        # Whole lines in one write each (a raw file may take less, or nothing when non-blocking: the rest
+        # follows once it has room).
+        try:
+            write_all(self.out, data)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(self.name, exc) from None

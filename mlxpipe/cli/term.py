@@ -1,5 +1,10 @@
 """What changes on a terminal: colour and the progress display. Both live on stderr only, never stdout.
 
+Every line said is one line: control characters in it (from file names, schemas, library messages) are
+shown escaped (``\\n``, ``\\x1b``), as are bytes of a name that are not UTF-8 (``\\xff``), so nothing
+can forge a second line or reach the terminal raw. A stderr that fails (a closed descriptor, a reader gone,
+a full disk) never stops the run: :attr:`Console.lost` says so, and the exit status is then 4.
+
 Colour follows https://no-color.org and ``TERM=dumb``. Progress (records done, of the total when the input
 is files; tok/s; elapsed) is drawn with tqdm only when stderr is a terminal and stdout is not (on a shared
 terminal the streamed answers are the progress), and never with ``--quiet``.
@@ -15,17 +20,45 @@ from typing import IO
 
 from ..events import Chunk, Done, Event
 from ..reader import split_records
+from .streams import raw_of, write_all
 
 RED_BOLD, RESET = "\033[1;31m", "\033[0m"
 _ERROR = re.compile(r"^(mlxpipe[^:]*: )error\b")  # "mlxpipe[rank 2]: error" too
 _REDRAW_SECONDS = 0.25  # the bar's tok/s and elapsed move while a long record streams
 
 
-def colour_enabled(stream: IO[str]) -> bool:
+def colour_enabled(stream: IO[str] | None) -> bool:
     """Colour only on a terminal, never with a non-empty ``NO_COLOR`` or with ``TERM=dumb``."""
     if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
         return False
-    return stream.isatty()
+    return _isatty(stream)
+
+
+def _isatty(stream: IO[str] | None) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (OSError, ValueError):  # closed
+        return False
+
+
+# C0 and C1 controls and DEL; lone surrogates are the bytes of a name that were not UTF-8 (surrogateescape).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # surrogateescape: the byte it stands for
+        return f"\\x{code - 0xDC00:02x}"
+    if code > 0xFF:
+        return f"\\u{code:04x}"
+    return _NAMED.get(char, f"\\x{code:02x}")
+
+
+def printable(line: str) -> str:
+    """``line`` with control characters and undecodable bytes escaped: safe to show on a terminal."""
+    return _UNSAFE.sub(_escape, line)
 
 
 def count_records(files: list[str], null: bool, max_bytes: int) -> int | None:
@@ -35,9 +68,12 @@ def count_records(files: list[str], null: bool, max_bytes: int) -> int | None:
         return None
     sep = b"\0" if null else b"\n"
     total = 0
-    for name in files:
-        with open(name, "rb") as f:
-            total += sum(1 for _, raw in split_records(f, sep, max_bytes) if raw is None or raw.strip())
+    try:
+        for name in files:
+            with open(name, "rb") as f:
+                total += sum(1 for _, raw in split_records(f, sep, max_bytes) if raw is None or raw.strip())
+    except OSError:  # the run reports an input it cannot read; the bar just has no total
+        return None
     return total
 
 
@@ -88,34 +124,60 @@ class Console:
     """stderr for humans: one-line messages, a coloured error prefix and the progress display."""
 
     def __init__(self, stream: IO[str] | None = None, colour: bool | None = None) -> None:
+        # Without a stream given, lines go to the raw stream under sys.stderr through the one writer (it may
+        # be non-blocking); sys.stderr is still what the progress bar draws on, and is None when 2 was closed.
+        self._raw = raw_of(sys.stderr) if stream is None else None
         self.stream = stream or sys.stderr
         self.colour = colour_enabled(self.stream) if colour is None else colour
         self.progress: Progress | None = None
         self.name = "mlxpipe"  # under mlx.launch, ranks other than 0 name themselves: "mlxpipe[rank 2]"
+        self.lost: str | None = None  # why a line could not be said: stderr failed
 
     def start_progress(self, files: list[str], null: bool, max_bytes: int, quiet: bool) -> None:
         """Show progress if stderr is a terminal, stdout is not and ``quiet`` is false."""
-        if quiet or not self.stream.isatty() or sys.stdout.isatty():
+        if quiet or self.stream is None or not _isatty(self.stream) or os.isatty(1):
             return
         self.progress = Progress(count_records(files, null, max_bytes), self.stream)
 
     def track(self, event: Event) -> None:
         """Feed an event to the progress display (a no-op without one)."""
         if self.progress is not None:
-            self.progress.update(event)
+            try:
+                self.progress.update(event)
+            except OSError as exc:
+                self._drop_progress(exc)
 
     def say(self, line: str) -> None:
-        """Write one line to stderr; an ``mlxpipe: error`` prefix is coloured when colour is on."""
+        """Write one line to stderr, escaped (:func:`printable`); an ``mlxpipe: error`` prefix is coloured
+        when colour is on. A stderr that fails is noted in :attr:`lost`, never raised."""
+        line = printable(line)
         if line.startswith("mlxpipe:") and self.name != "mlxpipe":
             line = self.name + line.removeprefix("mlxpipe")
         if self.colour:
             line = _ERROR.sub(rf"\1{RED_BOLD}error{RESET}", line, count=1)
-        if self.progress is not None:
-            self.progress.write(line)
-        else:
-            print(line, file=self.stream, flush=True)
+        try:
+            if self.progress is not None:
+                self.progress.write(line)
+            elif self._raw is not None:
+                write_all(self._raw, (line + "\n").encode())
+            elif self.stream is None:
+                raise OSError(9, "Bad file descriptor")
+            else:
+                print(line, file=self.stream, flush=True)
+        except OSError as exc:  # EPIPE included: only a broken stdout means "the reader has enough"
+            if self.lost is None:
+                self.lost = exc.strerror or type(exc).__name__
+
+    def _drop_progress(self, exc: OSError) -> None:
+        self.progress = None
+        if self.lost is None:
+            self.lost = exc.strerror or type(exc).__name__
 
     def close(self) -> None:
+        """Erase the progress display, if any."""
         if self.progress is not None:
-            self.progress.close()
+            try:
+                self.progress.close()
+            except OSError as exc:
+                self._drop_progress(exc)
             self.progress = None

@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from ..errors import RecordError
-from ..events import Chunk, Done, Error
+from ..events import Chunk, Done, Error, decode_tps
 from ..records import Record
 from .choices import choose
 from .sampling import StopStrings
@@ -145,7 +145,7 @@ class Batch:
         self, uid: int, slot: _Slot, segment: str, finish: str | None, now: float
     ) -> list[Chunk | Done | Error]:
         rec = slot.record
-        tps = slot.tokens / max(now - slot.first, 1e-9) if slot.tokens else 0.0
+        tps = decode_tps(slot.tokens, slot.first, now)  # 0.0 for a first token: one token has no rate
         events: list[Chunk | Done | Error] = []
         if segment:
             slot.text.append(segment)

@@ -22,7 +22,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .. import models
 from ..cpu import blas, gemv, layers, quantized
 from ..errors import ModelError, first_line
-from ..events import Chunk, Done
+from ..events import Chunk, Done, decode_tps
 from ..records import Record
 from . import sampling
 from .batch import Batch
@@ -193,16 +193,21 @@ class Engine:
             prefill_step_size=self.prefill_step,
         )
         prompt_tps = 0.0
+        first = 0.0
         try:
             for r in responses:
+                now = time.perf_counter()
                 if r.generation_tokens == 1:  # the whole prompt, the reused prefix included, over its time
-                    prompt_tps = len(tokens) / max(time.perf_counter() - started, 1e-9)
+                    prompt_tps = len(tokens) / max(now - started, 1e-9)
+                    first = now
+                # As under --batch (events.decode_tps): mlx-lm's own rate counts the first token over ~0 s.
+                tps = decode_tps(r.generation_tokens, first, now)
                 segment, finish = stops.feed(r.text, r.finish_reason)
                 if finish is None and should_stop is not None and should_stop():
                     segment, finish = segment + stops.flush(), "interrupted"
                 if segment:
                     text.append(segment)
-                    yield Chunk(record.index, record.id, segment, r.generation_tokens, r.generation_tps)
+                    yield Chunk(record.index, record.id, segment, r.generation_tokens, tps)
                 if finish is not None:
                     answer = "".join(text)
                     yield Done(
@@ -211,7 +216,7 @@ class Engine:
                         text=answer,
                         finish_reason=finish,
                         tokens=r.generation_tokens,
-                        tps=r.generation_tps,
+                        tps=tps,
                         prompt_tokens=len(tokens),
                         prompt_tps=prompt_tps,
                         peak_memory=int(r.peak_memory * 1e9),  # mlx-lm reports GB

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -51,7 +52,10 @@ def _cached_conversion(gguf_path: Path) -> Path:
     stem = re.sub(r"[^\w.-]+", "_", name)
     target = models / f"{stem}-{_cache_key(gguf_path)[:20]}"
     if (target / "config.json").is_file():
-        return target
+        if _intact(target):
+            return target
+        # Cut short or damaged since it was published (a full disk, a copy, a hand): convert it again.
+        _discard(target)
     try:
         models.mkdir(parents=True, exist_ok=True)
         _clean_stale_temps(models)
@@ -75,6 +79,45 @@ def _cached_conversion(gguf_path: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _intact(folder: Path) -> bool:
+    """Whether ``folder``'s weights are whole: at least one safetensors file, each as long as its header
+    says (an 8-byte header length, the JSON header, then the data its offsets end at)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return False
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                length = int.from_bytes(f.read(8), "little")
+                if not 0 < length <= size - 8:
+                    return False
+                header = json.loads(f.read(length))
+            ends = [
+                int(info["data_offsets"][1])
+                for name, info in header.items()
+                if name != "__metadata__" and isinstance(info, dict)
+            ]
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            return False
+        if 8 + length + max(ends, default=0) != size:
+            return False
+    return True
+
+
+def _discard(target: Path) -> None:
+    """Take a damaged conversion out of the way (renamed first, so no reader sees it half-deleted)."""
+    try:
+        doomed = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+        os.rename(target, doomed / "damaged")
+        shutil.rmtree(doomed, ignore_errors=True)
+    except OSError as e:
+        raise ModelError(
+            f"the cached conversion {target} is damaged and cannot be removed ({e.strerror}): "
+            "delete that folder"
+        ) from None
 
 
 def _clean_stale_temps(models: Path) -> None:
