@@ -143,9 +143,9 @@ def _start(args: argparse.Namespace, console: Console, ranks: Ranks) -> _Started
 
 def _load(args: argparse.Namespace, console: Console, ranks: Ranks) -> Engine | int:
     """The engine, or the exit status when the run ends here (a model error, ``--model-info``)."""
-    from ..engine import Engine  # mlx-lm and transformers: slower still
-
     try:
+        from ..engine import Engine  # mlx-lm and transformers: slow; NoBackend when mlx has none here
+
         engine = Engine.load(
             args.model, dtype=args.dtype, batch=args.batch, trust_remote_code=args.trust_remote_code
         )
