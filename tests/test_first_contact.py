@@ -8,6 +8,7 @@ own extension module first on the path without the libmlx it links to (what plai
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -15,6 +16,9 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, cli_env, run_cli
+
+from mlxpipe.cpu import blas
+from mlxpipe.paths import cache_dir
 
 
 def _mlx_without_its_library(tmp_path: Path) -> Path:
@@ -54,3 +58,45 @@ def test_help_and_version_need_no_backend(tmp_path: Path) -> None:
     for args in (["--help"], ["--version"]):
         r = run_cli(args, env=env, timeout=60)
         assert r.returncode == 0 and r.stderr == b"" and r.stdout
+
+
+def _fast_blas_expected() -> bool:
+    """Whether this machine loads an optimized BLAS in front of mlx (a Linux CPU with one installed)."""
+    return sys.platform == "linux" and bool(blas._candidates()) and blas._cuda_backend() is None
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not _fast_blas_expected(), reason="the one-row kernels are built only on a Linux CPU")
+def test_a_slow_path_is_said_once_when_a_run_starts_and_not_with_quiet(tmp_path: Path) -> None:
+    # A compiler that fails (a broken toolchain): the kernels cannot be built, and the run says so once,
+    # with the compiler's own message, before the first answer; the next run does not compile again.
+    cache = tmp_path / "cache"
+    (cache / "mlxpipe").mkdir(parents=True)
+    models = cache_dir() / "models"  # the converted embedded model, shared: not converted again
+    models.mkdir(parents=True, exist_ok=True)
+    (cache / "mlxpipe" / "models").symlink_to(models)
+    runs = tmp_path / "runs"
+    cc = tmp_path / "cc"
+    cc.write_text(f"#!/bin/sh\necho run >> {runs}\necho 'gemv.c:1: error: no stdint.h' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    env = cli_env(XDG_CACHE_HOME=str(cache), CC=str(cc))
+    r = run_cli(["-n", "2"], input="hi\nho\n", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(b"\n") == 2
+    assert r.stderr.decode().splitlines() == [
+        "mlxpipe: warning: one-row products are not sent to sgemv, a single stream decodes about 3x slower: "
+        "cc failed: gemv.c:1: error: no stdint.h; it is tried again once the compiler or mlxpipe changes"
+    ]
+    quiet = run_cli(["-q", "-n", "2"], input="hi\n", env=env)
+    assert quiet.returncode == 0 and quiet.stdout and quiet.stderr == b""
+    assert runs.read_text().count("run") == 1  # remembered: the second run did not compile
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not _fast_blas_expected(), reason="an optimized BLAS is loaded only on a Linux CPU")
+def test_model_info_gives_the_loaders_own_reason(tmp_path: Path) -> None:
+    missing = tmp_path / "libopenblas.so.0"
+    r = run_cli(["--model-info"], env=cli_env(MLXPIPE_BLAS=str(missing)))
+    assert r.returncode == 0 and r.stderr == b"", r.stderr  # --model-info carries it in its JSON
+    reason = json.loads(r.stdout)["blas"]["reason"]
+    assert reason.startswith(f"MLXPIPE_BLAS would not load ({missing}: cannot open shared object file")

@@ -152,6 +152,9 @@ def _load(args: argparse.Namespace, console: Console, ranks: Ranks) -> Engine | 
     except ModelError as exc:
         console.say(f"mlxpipe: error: {exc}")
         return EXIT_MODEL
+    if not (args.model_info or args.quiet or ranks.rank):  # --model-info carries them as JSON
+        for line in engine.slow_paths():  # said once, before the first record: the run will be slow
+            console.say(f"mlxpipe: warning: {line}")
     if args.model_info:
         if ranks.rank == 0:
             sys.stdout.write(json.dumps(engine.info(), ensure_ascii=False) + "\n")
