@@ -1,4 +1,4 @@
-"""What a new user meets first: an install without an mlx backend, the notice of a slow CPU path.
+"""What a new user meets first: an install without an mlx backend, a slow CPU path said, the package metadata.
 
 Each is tested through the real command in a subprocess: the missing backend by putting a copy of mlx's
 own extension module first on the path without the libmlx it links to (what plain ``mlx`` without
@@ -100,3 +100,19 @@ def test_model_info_gives_the_loaders_own_reason(tmp_path: Path) -> None:
     assert r.returncode == 0 and r.stderr == b"", r.stderr  # --model-info carries it in its JSON
     reason = json.loads(r.stdout)["blas"]["reason"]
     assert reason.startswith(f"MLXPIPE_BLAS would not load ({missing}: cannot open shared object file")
+
+
+def test_the_package_is_described_once_and_ships_its_license_and_types() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    meta = project["project"]
+    # One version: the package's own, which --version prints and setuptools reads without importing it.
+    assert "version" not in meta and "version" in meta["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "mlxpipe.__version__"}
+    assert meta["license"] == "MIT" and meta["license-files"] == ["LICENSE"]
+    license_text = (REPO / "LICENSE").read_text()
+    assert license_text.startswith("MIT License") and "the mlxpipe authors" in license_text
+    # PEP 561: the typed API (mlxpipe.run, the events) is typed for its users' checkers too.
+    assert (REPO / "mlxpipe" / "py.typed").is_file()
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["mlxpipe"]
+    assert "Typing :: Typed" in meta["classifiers"] and meta["urls"]
