@@ -1,8 +1,9 @@
 """What a new user meets first: an install without an mlx backend, a slow CPU path said, the package metadata.
 
-Each is tested through the real command in a subprocess: the missing backend by putting a copy of mlx's
-own extension module first on the path without the libmlx it links to (what plain ``mlx`` without
-``mlx-cpu``/``mlx-cuda`` is on Linux), so the loader's own error is what mlxpipe turns into one line.
+The first two are tested through the real command in a subprocess: the missing backend by putting a copy of
+mlx's own extension module first on the path without the libmlx it links to (what plain ``mlx`` without
+``mlx-cpu``/``mlx-cuda`` is on Linux), so that the loader's own error is what mlxpipe turns into one line; the
+slow path with a C compiler that fails.
 """
 
 from __future__ import annotations
