@@ -1,4 +1,4 @@
-"""What a new user meets first: an install without an mlx backend, a slow CPU path said, the package metadata.
+"""What a new user meets first: mlx without a backend, a slow CPU path said, package metadata, `make setup`.
 
 The first two are tested through the real command in a subprocess: the missing backend by putting a copy of
 mlx's own extension module first on the path without the libmlx it links to (what plain ``mlx`` without
@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -117,3 +118,24 @@ def test_the_package_is_described_once_and_ships_its_license_and_types() -> None
     assert (REPO / "mlxpipe" / "py.typed").is_file()
     assert "py.typed" in project["tool"]["setuptools"]["package-data"]["mlxpipe"]
     assert "Typing :: Typed" in meta["classifiers"] and meta["urls"]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_setup_installs_again_when_other_extras_are_asked_for(tmp_path: Path) -> None:
+    shutil.copy2(REPO / "pyproject.toml", tmp_path)
+    shutil.copy2(REPO / "Makefile", tmp_path)
+    venv = tmp_path / ".venv"
+    venv.mkdir()
+    (venv / ".extras").write_text("cpu,test\n")  # what an earlier `make setup` left
+    (venv / ".installed-cpu+test").touch()
+
+    def planned(*args: str) -> str:
+        r = subprocess.run(["make", "-n", "setup", *args], cwd=tmp_path, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert "pip install" not in planned()  # the same extras: installed already
+    assert 'pip install -qq -e ".[cuda13,test]"' in planned("EXTRAS=cuda13,test")
+    (venv / ".extras").write_text("cuda13,test\n")
+    (venv / ".installed-cuda13+test").touch()
+    assert "pip install" not in planned()  # a later plain `make test` keeps the GPU's extras
