@@ -6,7 +6,15 @@ The command line maps them to exit statuses: :class:`UsageError` 2, :class:`Mode
 
 from __future__ import annotations
 
-__all__ = ["ConstraintError", "ModelError", "RecordError", "UsageError", "failure", "first_line"]
+__all__ = [
+    "ConstraintError",
+    "ModelError",
+    "NoBackend",
+    "RecordError",
+    "UsageError",
+    "failure",
+    "first_line",
+]
 
 
 def first_line(exc: BaseException) -> str:
@@ -29,6 +37,14 @@ class ModelError(Exception):
     def __init__(self, message: str) -> None:
         # Keep messages to one line whatever the underlying error said.
         super().__init__(" ".join(str(message).split()))
+
+
+class NoBackend(ModelError, ImportError):
+    """mlx cannot be imported here: on Linux, plain ``mlx`` installed without ``mlx-cpu`` or ``mlx-cuda``.
+
+    A :class:`ModelError` (exit status 3, one line) that is also an :class:`ImportError`, since it is raised
+    where mlx is first imported.
+    """
 
 
 class RecordError(ValueError):

@@ -45,6 +45,9 @@ class Engine(FakeEngine):
     def info(self) -> dict[str, Any]:
         return {"spec": "fake"}
 
+    def slow_paths(self) -> list[str]:
+        return []  # no CPU path to miss
+
     def generate(self, record: Record, should_stop: Callable[[], bool] = lambda: False) -> Iterator[Any]:
         if DELAY:
             time.sleep(DELAY)

@@ -1,6 +1,7 @@
 """The BLAS loader's decision (present, absent, turned off, macOS, mlx already imported), without loading one.
 
-Each probe of :mod:`mlxpipe.blas` is replaced, so these tests run in milliseconds and load no library.
+Each probe of :mod:`mlxpipe.blas` is replaced, so these tests run in milliseconds and load no library (but
+one, which builds a library whose dependency is gone, for the loader's own message).
 The end-to-end check that a real BLAS is picked up is the --model-info test at the bottom (real model).
 """
 
@@ -9,6 +10,9 @@ from __future__ import annotations
 import ast
 import ctypes
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -144,14 +148,85 @@ def test_absent_loads_nothing_and_names_the_package(machine: dict[str, Any]) -> 
     machine["candidates"] = []
     choice = blas.choose()
     assert machine["loaded"] == [] and choice.library is None
-    assert choice.source == "mlx" and "cmeel-openblas" in choice.reason
+    assert choice.source == "mlx" and "pip install 'mlxpipe[cpu]'" in choice.reason
     assert choice.reference  # --model-info says mlx computes with its reference BLAS
+    (line,) = blas.slow_paths(choice)
+    assert "reference BLAS" in line and choice.reason in line
 
 
-def test_every_candidate_broken_loads_nothing(machine: dict[str, Any]) -> None:
+def test_every_candidate_broken_loads_nothing_and_says_the_loaders_error(machine: dict[str, Any]) -> None:
+    # cmeel-openblas *is* installed here: the reason is what the loader said, and the fix for it.
     machine["broken"] = {CMEEL[1], SYSTEM[1]}
     choice = blas.choose()
     assert choice.library is None and len(choice.failed) == 2
+    assert choice.reason == (
+        "cmeel-openblas would not load (libgfortran.so.5: cannot open shared object file: No such file or "
+        "directory): install the gfortran runtime (Debian/Ubuntu: apt-get install libgfortran5)"
+    )
+    assert "pip install" not in choice.reason
+    assert blas.slow_paths(choice) == [
+        f"float32 matrix products run on mlx's reference BLAS, about 30x slower: {choice.reason}"
+    ]
+
+
+def test_no_slow_path_is_said_when_the_fast_one_is_off_or_not_needed(
+    machine: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    machine["broken"] = {CMEEL[1], SYSTEM[1]}
+    monkeypatch.setenv(blas.ENV, "off")
+    assert blas.slow_paths(blas.choose()) == []  # asked for
+    monkeypatch.delenv(blas.ENV)
+    machine["cuda"] = "mlx-cuda-13"
+    assert blas.slow_paths(blas.choose()) == []  # the GPU computes
+    machine["cuda"], machine["platform"] = None, "darwin"
+    assert blas.slow_paths(blas.choose()) == []  # Accelerate
+
+
+def test_a_kernel_that_could_not_be_built_is_a_slow_path(machine: dict[str, Any]) -> None:
+    choice = blas.choose()
+    assert blas.slow_paths(choice) == []
+    no_cc = blas.BlasChoice(
+        CMEEL[1], CMEEL[0], "loaded before mlx", gemv="not built: no C compiler (cc) found"
+    )
+    (line,) = blas.slow_paths(no_cc)
+    assert "no C compiler (cc) found" in line and "apt-get install gcc" in line
+    broken = blas.BlasChoice(
+        CMEEL[1], CMEEL[0], "loaded before mlx", gemv="not built: cc failed: gemv.c:1: error"
+    )
+    (line,) = blas.slow_paths(broken)
+    assert "cc failed: gemv.c:1: error" in line and "tried again" in line
+    off = blas.BlasChoice(CMEEL[1], CMEEL[0], "loaded before mlx", gemv="off (MLXPIPE_GEMV=off)")
+    assert blas.slow_paths(off) == []
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or sys.platform != "linux", reason="needs cc on Linux")
+def test_the_reason_is_the_real_loaders_message(tmp_path: Path) -> None:
+    # A real library whose dependency is gone, as cmeel-openblas is without libgfortran.so.5: the reason
+    # quotes what the dynamic loader said about it.
+    (tmp_path / "dep.c").write_text("int mlxpipe_dep(void) { return 1; }\n")
+    (tmp_path / "blas.c").write_text(
+        "int mlxpipe_dep(void);\nint cblas_sgemm(void) { return mlxpipe_dep(); }\n"
+    )
+    dep = tmp_path / "libmlxpipe-gone.so.1"
+    subprocess.run(
+        [
+            "cc",
+            "-shared",
+            "-fPIC",
+            "-Wl,-soname,libmlxpipe-gone.so.1",
+            "-o",
+            str(dep),
+            str(tmp_path / "dep.c"),
+        ],
+        check=True,
+    )
+    lib = tmp_path / "libopenblas.so.0"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "blas.c"), str(dep)], check=True)
+    dep.unlink()
+    choice = blas._load_first([("cmeel-openblas", str(lib))], REFERENCE)
+    assert choice.library is None and choice.missing and choice.reference
+    assert choice.reason.startswith("cmeel-openblas would not load (libmlxpipe-gone.so.1: cannot open shared")
+    assert choice.failed[0].startswith(f"{lib}: libmlxpipe-gone.so.1: cannot open shared")
 
 
 @pytest.mark.parametrize("value", ["off", "OFF", "0", "no", "false", "none"])

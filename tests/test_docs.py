@@ -106,11 +106,63 @@ def test_man_page_is_installed_with_the_package() -> None:
     assert '"share/man/man1" = ["man/mlxpipe.1"]' in between(pyproject, "[tool.setuptools.data-files]", "[")
 
 
-@pytest.mark.skipif(shutil.which("man") is None, reason="man is not installed")
-def test_man_finds_the_page_from_the_venv() -> None:
-    # man derives its search path from PATH (<dir>/../share/man): the venv's bin is enough.
-    env = dict(os.environ, PATH=str(Path(sys.prefix) / "bin") + os.pathsep + "/usr/bin:/bin")
+def _man_env(bin_dir: Path) -> dict[str, str]:
+    env = dict(os.environ, PATH=str(bin_dir) + os.pathsep + "/usr/bin:/bin")
     env.pop("MANPATH", None)
+    return env
+
+
+def _man_works(tmp_path: Path) -> str | None:
+    """None when ``man -w`` finds a page beside a folder on PATH, as man-db does; else why not."""
+    if shutil.which("man") is None:
+        return "man is not installed"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "share" / "man" / "man1").mkdir(parents=True)
+    (tmp_path / "share" / "man" / "man1" / "mlxpipe-probe.1").write_text(".TH PROBE 1\n")
+    try:
+        r = subprocess.run(
+            ["man", "-w", "mlxpipe-probe"], capture_output=True, text=True, env=_man_env(tmp_path / "bin")
+        )
+    except OSError as exc:
+        return f"man cannot run: {exc}"
+    if r.returncode != 0 or not Path(r.stdout.strip()).is_file():
+        # A minimized system's man is a stub that only says how to restore the manuals.
+        said = (r.stdout.strip() or r.stderr.strip()).splitlines()
+        return f"man does not find pages from PATH here ({said[0] if said else r.returncode})"
+    return None
+
+
+def test_man_finds_the_page_from_the_venv(tmp_path: Path) -> None:
+    # man derives its search path from PATH (<dir>/../share/man): the venv's bin is enough.
+    why_not = _man_works(tmp_path)
+    if why_not:
+        pytest.skip(why_not)
+    env = _man_env(Path(sys.prefix) / "bin")
     r = subprocess.run(["man", "-w", "mlxpipe"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, f"`man mlxpipe` does not find the page from {sys.prefix}: run `make setup`"
     assert Path(r.stdout.strip()).read_text().count(".TH MLXPIPE 1 ") == 1
+
+
+@pytest.mark.skipif(shutil.which("groff") is None, reason="groff is not installed")
+@pytest.mark.parametrize("width", [50, 65, 80, 100])
+def test_man_page_breaks_no_word_at_a_hyphen_it_adds(width: int) -> None:
+    # `--tem-plate` or `$MLX-PIPE_MODEL` at a line end would be copied wrong: hyphenation is off.
+    r = subprocess.run(
+        ["groff", "-man", "-Tutf8", f"-rLL={width}n", str(MAN)], capture_output=True, text=True, check=True
+    )
+    broken = [line for line in r.stdout.splitlines() if re.search(r"\w\u2010$", line)]
+    assert not broken, f"hyphenated at {width} columns: {broken}"
+
+
+def test_man_page_names_the_packages_version() -> None:
+    from mlxpipe import __version__
+
+    assert re.search(rf'^\.TH MLXPIPE 1 \S+ "mlxpipe {re.escape(__version__)}"', MAN.read_text(), re.M)
+
+
+def test_man_page_xargs_examples_pass_names_safely() -> None:
+    # NUL-separated names, handed to `sh -c` as an argument: never spliced into the shell's code.
+    examples = [line for line in MAN.read_text().splitlines() if "xargs" in line and "mlxpipe" in line]
+    assert examples
+    for line in examples:
+        assert "\\-0" in line and "{}" not in line, line

@@ -74,6 +74,7 @@ import json, numpy as np
 from mlxpipe.cpu import blas
 choice = blas.setup()
 import mlx.core as mx
+mx.set_default_device(mx.cpu)  # these are the CPU's products (and tolerance), also where a GPU is the default
 rng = np.random.default_rng(3)
 worst = 0.0
 for m, k, n in [(1, 576, 1536), (1, 576, 1), (7, 64, 1), (5, 64, 96), (1, 1, 8)]:
@@ -102,7 +103,7 @@ def test_mlx_products_are_right_with_and_without_forwarding(setting: str) -> Non
     assert out["worst"] < 1e-3
     if setting == "off":
         assert out["gemv"] == "off (MLXPIPE_GEMV=off)"
-    elif blas._candidates() and sys.platform == "linux":
+    elif blas._candidates() and sys.platform == "linux" and blas._cuda_backend() is None:
         assert out["gemv"] == "one-row products go to sgemv"
 
 
@@ -114,6 +115,36 @@ def test_without_a_compiler_nothing_is_forwarded(
     monkeypatch.setattr(gemv.shutil, "which", lambda name: None)
     assert gemv.install(openblas) == "not built: no C compiler (cc) found"
     assert not list(tmp_path.rglob("*.so"))
+
+
+def _failing_compiler(folder: Path) -> tuple[Path, Path]:
+    """A C compiler that fails as a broken toolchain does, counting its runs in a file: (compiler, count)."""
+    runs = folder / "runs"
+    cc = folder / "cc"
+    cc.write_text(
+        f"#!/bin/sh\necho run >> {runs}\n"
+        "echo 'gemv.c:1:10: fatal error: stdint.h: No such file' >&2\nexit 1\n"
+    )
+    cc.chmod(0o755)
+    return cc, runs
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a shell script as the compiler")
+def test_a_failed_build_is_remembered_per_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cc, runs = _failing_compiler(tmp_path)
+    monkeypatch.setenv("CC", str(cc))
+    with pytest.raises(OSError, match=r"^cc failed: gemv.c:1:10: fatal error: stdint.h") as first:
+        gemv._built()
+    assert runs.read_text().count("run") == 1
+    with pytest.raises(OSError, match="remembered in") as again:  # the next run does not compile again
+        gemv._built()
+    assert str(again.value).startswith(str(first.value)) and runs.read_text().count("run") == 1
+    assert not list((tmp_path / "cache").rglob("*.so")) and not list((tmp_path / "cache").rglob(".gemv-*"))
+    cc.write_text(cc.read_text() + "# upgraded\n")  # another compiler (or version): tried again
+    with pytest.raises(OSError, match=r"^cc failed"):
+        gemv._built()
+    assert runs.read_text().count("run") == 2
 
 
 def test_a_library_without_sgemv_is_left_alone() -> None:

@@ -156,15 +156,18 @@ def _start(args: argparse.Namespace, console: Console, ranks: Ranks) -> _Started
 
 def _load(args: argparse.Namespace, console: Console, ranks: Ranks) -> Engine | int:
     """The engine, or the exit status when the run ends here (a model error, ``--model-info``)."""
-    from ..engine import Engine  # mlx-lm and transformers: slower still
-
     try:
+        from ..engine import Engine  # mlx-lm and transformers: slow; NoBackend when mlx has none here
+
         engine = Engine.load(
             args.model, dtype=args.dtype, batch=args.batch, trust_remote_code=args.trust_remote_code
         )
     except ModelError as exc:
         console.say(f"mlxpipe: error: {exc}")
         return EXIT_MODEL
+    if not (args.model_info or args.quiet or ranks.rank):  # --model-info carries them as JSON
+        for line in engine.slow_paths():  # said once, before the first record: the run will be slow
+            console.say(f"mlxpipe: warning: {line}")
     if args.model_info:
         if ranks.rank == 0:
             try:

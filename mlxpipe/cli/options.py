@@ -297,7 +297,12 @@ OPTIONS: tuple[Option, ...] = (
         action="store_true",
     ),
     Option(("--stats",), "output", "Print a summary line on stderr at the end.", action="store_true"),
-    Option(("-q", "--quiet"), "output", "No progress display on a terminal.", action="store_true"),
+    Option(
+        ("-q", "--quiet"),
+        "output",
+        "No progress display on a terminal, and no warning that a CPU fast path is missing.",
+        action="store_true",
+    ),
     # Model
     Option(
         ("-m", "--model"),

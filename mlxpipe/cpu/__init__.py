@@ -11,15 +11,34 @@ mlx comes through this package first (the engine package imports it; others call
 platforms setup does nothing.
 """
 
+import sys
 from typing import Any
 
+from ..errors import NoBackend, first_line
 from .blas import setup
 
 setup()
 
+# What Linux says when mlx's library is missing: plain `mlx` ships the Python module, and `mlx-cpu` or
+# `mlx-cuda-*` the libmlx.so it links to (ImportError: "libmlx.so: cannot open shared object file: ...").
+_NO_BACKEND = "mlx has no backend here; install 'mlxpipe[cpu]' (or [cuda13])"
+
 
 def mlx_core() -> Any:
-    """``mlx.core``, imported after the BLAS was set up (for rooms outside the engine that need mlx)."""
-    import mlx.core
+    """``mlx.core``, imported after the BLAS was set up (for rooms outside the engine that need mlx).
 
+    Raises :class:`~mlxpipe.errors.NoBackend`, with one line saying what to install, when mlx cannot be
+    imported.
+    """
+    try:
+        import mlx.core
+    except ImportError as exc:
+        raise NoBackend(backend_problem(exc)) from exc
     return mlx.core
+
+
+def backend_problem(exc: ImportError) -> str:
+    """Why ``import mlx.core`` failed, as one line that names the fix where it is known."""
+    if sys.platform == "linux" and "libmlx" in str(exc):
+        return _NO_BACKEND
+    return f"mlx could not be imported: {first_line(exc)}"

@@ -20,6 +20,10 @@ Decision, in order:
 
 In front of a BLAS it loads, :mod:`mlxpipe.cpu.gemv` puts a ``cblas_sgemm`` that sends one-row products to
 ``sgemv`` (``MLXPIPE_GEMV=off`` leaves it out).
+
+When a fast path is missing for a reason the user can fix (no BLAS would load, the kernels could not be
+built), :func:`slow_paths` says so in one line each, with the loader's or compiler's own message and the fix;
+the command line prints them once when a run starts.
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import first_line
 from . import gemv
 from .switches import OFF, setting
 
-__all__ = ["ENV", "BlasChoice", "choose", "setup", "threads", "use_threads"]
+__all__ = ["ENV", "BlasChoice", "choose", "setup", "slow_paths", "threads", "use_threads"]
 
 ENV = "MLXPIPE_BLAS"
 
@@ -63,6 +68,7 @@ class BlasChoice:
     failed: tuple[str, ...] = field(default=())  # candidates that would not load, with the loader's message
     reference: bool = False  # mlx computes with the reference BLAS it bundles (slow float32 matmuls)
     gemv: str | None = None  # what mlxpipe.cpu.gemv did in front of the loaded library
+    missing: bool = False  # an optimized BLAS was wanted and none would load: the user can fix that
 
     def info(self) -> dict[str, Any]:
         """The ``blas`` entry of ``--model-info``."""
@@ -100,31 +106,69 @@ def choose() -> BlasChoice:
         reason = "mlx was imported before mlxpipe could load a BLAS"
         return BlasChoice(None, "mlx", reason, reference=reference is not None)
     if value and value.lower() != "auto":
-        return _load_first([(ENV, value)], f"{ENV}={value} could not be loaded", reference)
+        return _load_first([(ENV, value)], reference)
     if reference is None:
         return BlasChoice(None, "mlx", "mlx does not bundle the reference BLAS: its own BLAS is used")
     cuda = _cuda_backend()
     if cuda is not None:  # its wheel bundles the reference BLAS too, but the matrix products run on the GPU
         return BlasChoice(None, "mlx", f"{cuda}: matrix products run on the GPU", reference=True)
-    return _load_first(
-        _candidates(), "no optimized BLAS could be loaded (pip install cmeel-openblas)", reference
-    )
+    return _load_first(_candidates(), reference)
 
 
-def _load_first(candidates: list[tuple[str, str]], none_reason: str, reference: str | None) -> BlasChoice:
-    failed: list[str] = []
+def _load_first(candidates: list[tuple[str, str]], reference: str | None) -> BlasChoice:
+    failed: list[tuple[str, str, str]] = []  # (source, path, the loader's message)
     for source, path in candidates:
         try:
             handle = _load(path, ctypes.RTLD_LOCAL)
         except OSError as exc:
-            failed.append(f"{path}: {exc}")
+            failed.append((source, path, first_line(exc)))
             continue
         forwarding = gemv.install(handle)  # global before the BLAS, so libmlx binds to its cblas_sgemm
         _load(path, ctypes.RTLD_GLOBAL)
         _set_threads(handle)
         config = _openblas_config(handle)
-        return BlasChoice(path, source, "loaded before mlx", config, tuple(failed), gemv=forwarding)
-    return BlasChoice(None, "mlx", none_reason, None, tuple(failed), reference=reference is not None)
+        return BlasChoice(path, source, "loaded before mlx", config, _said(failed), gemv=forwarding)
+    return BlasChoice(
+        None, "mlx", _none_loaded(failed), None, _said(failed), reference=reference is not None, missing=True
+    )
+
+
+def _said(failed: list[tuple[str, str, str]]) -> tuple[str, ...]:
+    return tuple(f"{path}: {message}" for _, path, message in failed)
+
+
+def _none_loaded(failed: list[tuple[str, str, str]]) -> str:
+    """Why no optimized BLAS is in use, from what the loader said, with the fix where it is known."""
+    if not failed:
+        return "no optimized BLAS is installed (pip install 'mlxpipe[cpu]', which brings cmeel-openblas)"
+    source, _, message = failed[0]  # the best candidate: the one worth fixing
+    what = f"{source} would not load ({message})"
+    if "libgfortran" in message:  # cmeel-openblas links to the system's gfortran runtime
+        return f"{what}: install the gfortran runtime (Debian/Ubuntu: apt-get install libgfortran5)"
+    return what
+
+
+def slow_paths(choice: BlasChoice | None = None) -> list[str]:
+    """What makes float32 products on this CPU slower than they could be, for reasons the user can fix: one
+    line each, with the cause and the fix (empty when nothing does). ``choice``: :func:`setup`'s, by default.
+
+    Not listed: paths turned off on purpose (``MLXPIPE_BLAS=off``, ``MLXPIPE_GEMV=off``), and a BLAS that
+    is not needed (not Linux, mlx's own BLAS is optimized, the GPU computes).
+    """
+    choice = choice or setup()
+    if choice.missing:
+        return [f"float32 matrix products run on mlx's reference BLAS, about 30x slower: {choice.reason}"]
+    if choice.gemv and choice.gemv.startswith("not built: "):
+        cause = choice.gemv.removeprefix("not built: ")
+        fix = (
+            "install a C compiler (Debian/Ubuntu: apt-get install gcc)"
+            if cause.startswith(gemv.NO_COMPILER)
+            else "it is tried again once the compiler or mlxpipe changes"
+        )
+        return [
+            f"one-row products are not sent to sgemv, a single stream decodes about 3x slower: {cause}; {fix}"
+        ]
+    return []
 
 
 # The probes below are separate functions so that tests can replace each one.

@@ -4,7 +4,9 @@ mlx calls ``cblas_sgemm`` for every float32 product, also for the single row a o
 multiplies by each weight matrix. OpenBLAS's ``sgemm`` is 2.5x slower at that shape than its ``sgemv``
 (bench/RESULTS.md). :func:`install` compiles ``gemv.c`` once with the system's C compiler into the cache
 folder, hands it the BLAS's own ``cblas_sgemm`` and ``cblas_sgemv``, and makes it global before the BLAS,
-so that libmlx's ``cblas_sgemm`` binds to it. Without a C compiler nothing changes but the speed.
+so that libmlx's ``cblas_sgemm`` binds to it. Without a C compiler nothing changes but the speed. A build
+that fails is remembered (a marker file in the cache folder, keyed by the source and the compiler), so that
+later runs do not pay for it again; a new compiler or a changed source tries again.
 Installed by :mod:`mlxpipe.cpu.blas`, before mlx is imported; imports nothing from mlx.
 
 A float32 weight matrix that was dequantized from mlx's 4- or 8-bit form can be :func:`attach`-ed to that
@@ -28,9 +30,10 @@ from ..errors import first_line
 from ..paths import cache_dir
 from .switches import setting, turned_off
 
-__all__ = ["ENV", "attach", "detach", "install", "quantized_available", "quantized_calls"]
+__all__ = ["ENV", "NO_COMPILER", "attach", "detach", "install", "quantized_available", "quantized_calls"]
 
 ENV = "MLXPIPE_GEMV"
+NO_COMPILER = "no C compiler (cc) found"
 _SOURCE = Path(__file__).with_name("gemv.c")
 _shim: Any = None  # the library in front of the BLAS, once installed
 
@@ -66,7 +69,10 @@ def _open(path: str, mode: int) -> Any:
 
 
 def _built() -> str:
-    """The compiled library's path, compiling it first if this source has not been compiled here yet."""
+    """The compiled library's path, compiling it first if this source has not been compiled here yet.
+
+    Raises OSError when it cannot be built; a compiler's failure is remembered for this source and compiler.
+    """
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
     target = cache_dir() / f"gemv-{key}.so"
@@ -74,7 +80,14 @@ def _built() -> str:
         return str(target)
     compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
     if compiler is None:
-        raise OSError("no C compiler (cc) found")
+        raise OSError(NO_COMPILER)
+    # A failed build is keyed by the compiler too (its path, size and time): installing or upgrading one
+    # tries again, re-running with the same one does not.
+    stat = os.stat(compiler)
+    compiler_key = hashlib.sha256(f"{compiler}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    marker = cache_dir() / f"gemv-{key}-{compiler_key}.failed"
+    if marker.is_file():
+        raise OSError(f"{marker.read_text(encoding='utf-8').strip()} (remembered in {marker})")
     target.parent.mkdir(parents=True, exist_ok=True)
     # Compiled beside the target and renamed into place: concurrent first runs never see half a file.
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".gemv-", suffix=".so")
@@ -83,7 +96,12 @@ def _built() -> str:
         cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
         if done.returncode != 0:
-            raise OSError(f"{Path(compiler).name} failed: {done.stderr.strip() or done.returncode}")
+            lines = done.stderr.strip().splitlines()
+            # The first line that says "error" (gcc starts with "In function ...:"), else the first.
+            said = next((x for x in lines if "error" in x), lines[0] if lines else f"exit {done.returncode}")
+            message = f"{Path(compiler).name} failed: {said}"
+            marker.write_text(message + "\n", encoding="utf-8")
+            raise OSError(message)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

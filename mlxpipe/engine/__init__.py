@@ -8,7 +8,10 @@
 - :mod:`.dtype`: which type the weights compute in (``--dtype``).
 """
 
-from .. import cpu  # noqa: F401  (first: on Linux CPUs the BLAS must be loaded before mlx is imported)
+from .. import cpu  # first: on Linux CPUs the BLAS must be loaded before mlx is imported
+
+cpu.mlx_core()  # a missing backend is one line (NoBackend), not a traceback from the first `import mlx.core`
+
 from .batch import Batch
 from .dtype import DTYPES, apply_dtype, choose_dtype
 from .engine import Engine

@@ -130,6 +130,13 @@ class Engine:
         info["quantized_rows"] = self.quantized_rows
         return info
 
+    def slow_paths(self) -> list[str]:
+        """Missing CPU fast paths that this model pays for, one line each with the cause and the fix
+        (:func:`mlxpipe.cpu.blas.slow_paths`); only when it computes in float32 on a CPU, else empty."""
+        if self.dtype != "float32" or accelerator() is not None:
+            return []
+        return blas.slow_paths()
+
     # What each record gets; every generation path (sequential or batched) asks here.
 
     def encode(self, record: Record) -> list[int]:
