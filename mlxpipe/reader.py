@@ -261,7 +261,7 @@ class RecordReader:
         lead = ""
         if self.fmt.template is not None:
             try:
-                text = self.fmt.template.render({"line": text})
+                text = self.fmt.template.render({"line": text, "text": text})
                 lead = self.fmt.template.lead
             except KeyError as exc:
                 return BadRecord(

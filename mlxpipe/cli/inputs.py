@@ -4,6 +4,8 @@ the default settings of every record."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING
@@ -15,7 +17,9 @@ from ..records import BadRecord, Record, Settings, Template
 if TYPE_CHECKING:
     from ..constrain import Constraint
 
-__all__ = ["check_files", "constraint", "records", "settings", "template"]
+__all__ = ["PROMPT", "check_files", "check_prompts", "constraint", "records", "settings", "template"]
+
+PROMPT = "<prompt>"  # where a -p record comes from, in its error line: "(at <prompt>:2)" is the second -p
 
 
 def _inputs(files: list[str], private_stdin: bool = False) -> Iterator[tuple[str, IO[bytes]]]:
@@ -33,10 +37,45 @@ def _inputs(files: list[str], private_stdin: bool = False) -> Iterator[tuple[str
 
 
 def records(
-    files: list[str], reader: RecordReader, private_stdin: bool = False
+    files: list[str],
+    reader: RecordReader,
+    private_stdin: bool = False,
+    *,
+    prompts: list[str] | None = None,
+    slurp: bool = False,
 ) -> Iterator[Record | BadRecord]:
+    """The records of the run: each -p TEXT (then stdin is not read), or each FILE (or stdin) whole with
+    ``slurp``, or the records of each FILE (or stdin) in turn."""
+    if prompts and not slurp:
+        for number, text in enumerate(prompts, 1):
+            raw = os.fsencode(text)  # as given: bytes that are not UTF-8 become the record's error
+            if reader.fmt.jsonl:  # a JSONL reader takes a JSON string as the prompt (and --template's field)
+                raw = json.dumps(text, ensure_ascii=False).encode("utf-8", "surrogateescape")
+            reader.count += 1
+            yield reader.parse(PROMPT, number, raw)
+        return
     for name, stream in _inputs(files, private_stdin):
-        yield from reader.read(name, stream)
+        if slurp:
+            yield from _slurp(name, stream, reader)
+        else:
+            yield from reader.read(name, stream)
+
+
+def _slurp(name: str, stream: IO[bytes], reader: RecordReader) -> Iterator[Record | BadRecord]:
+    """All of ``stream`` as one record: trailing newlines dropped, nothing for blank input."""
+    limit = reader.fmt.max_line_bytes
+    data = stream.read(limit + 1)
+    if len(data) > limit:
+        while stream.read(1 << 16):  # the rest is read, so the writer is not cut off
+            pass
+        reader.count += 1
+        error = f"input longer than --max-line-bytes ({limit} bytes)"
+        yield BadRecord(reader.count, name, 1, reader.count, error)
+        return
+    data = data.removeprefix(b"\xef\xbb\xbf").rstrip(b"\r\n")
+    if data.strip():
+        reader.count += 1
+        yield reader.parse(name, 1, data)
 
 
 def template(args: argparse.Namespace) -> Template | None:
@@ -49,12 +88,37 @@ def template(args: argparse.Namespace) -> Template | None:
                 text = f.read().rstrip("\n")
         except OSError as exc:
             raise UsageError(f"cannot read template file: {exc}") from None
+    if text is None and args.slurp and args.prompt:
+        # -p TEXT --slurp: the instruction, a blank line, the document. Its braces are its own.
+        text = args.prompt[0].replace("{", "{{").replace("}", "}}") + "\n\n{text}"
     if text is None:
         return None
     template = Template.parse(text)
-    if args.in_format == "lines" and set(template.fields) - {"line"}:
-        raise UsageError("in lines mode a template can only use {line}")
+    if args.in_format == "lines" and set(template.fields) - {"line", "text"}:
+        raise UsageError("in lines mode a template can only use {text} (or {line}): the record's text")
     return template
+
+
+def check_prompts(args: argparse.Namespace) -> None:
+    """-p and --slurp: what goes together (see their help)."""
+    prompts: list[str] = args.prompt or []
+    if args.slurp:
+        if args.in_format == "jsonl":
+            raise UsageError("--slurp reads text: it cannot be used with --in jsonl")
+        if len(prompts) > 1:
+            raise UsageError("--slurp takes one -p: the instruction put before the document")
+        if prompts and (args.template is not None or args.template_file is not None):
+            raise UsageError(
+                "with --slurp, give -p or --template, not both: put the instruction in the template, "
+                "where {text} is the document"
+            )
+    elif prompts and args.files:
+        raise UsageError(
+            "-p and FILE cannot be used together: the prompts are the input (add --slurp to put the "
+            "prompt before each FILE's text)"
+        )
+    if any(not p.strip() for p in prompts):
+        raise UsageError("-p: empty prompt")
 
 
 def constraint(args: argparse.Namespace) -> Constraint | None:

@@ -1,7 +1,8 @@
 """The command line: parse arguments, run the records, render events, map errors to exit codes.
 
 Data goes to stdout, flushed per chunk; everything else goes to stderr. Exit status: 0 every record
-done, 1 some record failed, 2 usage error, 3 model could not be loaded, 128+signal when interrupted.
+done, 1 some record failed, 2 usage error, 3 model could not be loaded, 128+signal when interrupted (as
+:func:`main` returns it; the command then ends by the signal itself, see :mod:`.signals`).
 Under ``mlx.launch`` rank 0 writes and carries the job's status; the other ranks answer their share
 (:mod:`mlxpipe.distributed`) and exit 0.
 """
@@ -20,10 +21,11 @@ from ..errors import ModelError, UsageError
 from ..events import Done, Error
 from ..reader import InputFormat, RecordReader
 from ..resume import ResumeFile
-from . import inputs
+from . import inputs, interactive
+from .advice import advice
 from .options import build_parser
 from .render import Renderer, Stats
-from .signals import Interrupts
+from .signals import Interrupts, reraise_at_exit
 from .term import Console
 
 if TYPE_CHECKING:
@@ -48,9 +50,12 @@ def _main(argv: list[str] | None, console: Console) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse has printed help, the version or a usage error
         return int(exc.code or 0)
-    if args.jsonl:
-        args.in_format = args.out_format = "jsonl"
+    if args.jsonl:  # with --slurp the input is text whatever the format: --jsonl then means the output
+        args.in_format, args.out_format = "lines" if args.slurp else "jsonl", "jsonl"
     try:
+        inputs.check_prompts(args)
+        args.interactive = interactive.wanted(args)
+        args.conversation = interactive.chat_wanted(args, args.interactive)
         if args.unordered and args.out_format != "jsonl":
             raise UsageError("--unordered needs JSONL output (--out jsonl): text lines carry no id")
         template = inputs.template(args)
@@ -60,6 +65,10 @@ def _main(argv: list[str] | None, console: Console) -> int:
     except UsageError as exc:
         console.say(f"mlxpipe: error: {exc}")
         return EXIT_USAGE
+    for line in advice(args, args.interactive):
+        console.say(line)
+    if args.interactive:
+        args.batch = 1
 
     from ..distributed import Ranks  # imports mlx: --help and usage errors need not wait for it
 
@@ -104,6 +113,11 @@ def _start(args: argparse.Namespace, console: Console, ranks: Ranks) -> _Started
     """
     from ..distributed import RankLost, broadcast, same_input
 
+    if ranks.size > 1 and args.conversation:
+        if ranks.rank:
+            return _helper_rank_done()
+        console.say("mlxpipe: error: --chat cannot be used under mlx.launch: each rank answers its own share")
+        return EXIT_USAGE
     if ranks.size > 1 and (not args.files or "-" in args.files):
         if ranks.rank:  # the same arguments on every rank: rank 0 says it, and carries the status
             return _helper_rank_done()
@@ -179,12 +193,14 @@ def _run(
     from ..pipeline import run
 
     interrupts = Interrupts()
-    interrupts.install()
     stats = Stats()
+    cut = 0  # records whose done line says "interrupted"
     try:
         engine = _load(args, console, ranks)
         if isinstance(engine, int):
             return engine
+        # Only now is there something to finish cleanly; until here a signal ends the process at once.
+        interrupts.install()
         jsonl_out = args.out_format == "jsonl"
         renderer = Renderer(
             resume.out if resume is not None and resume.out is not None else sys.stdout.buffer,
@@ -194,10 +210,28 @@ def _run(
             one_line=args.one_line,
             null=args.null,
         )
+        if args.interactive:
+            started = time.perf_counter()
+            name = str(engine.info().get("spec") or "the model")
+            status = interactive.session(
+                engine, reader, renderer, console, interrupts, stats, chat=args.conversation, name=name
+            )
+            if args.stats:
+                console.say(stats.line(time.perf_counter() - started))
+            if status > 128:
+                reraise_at_exit(status - 128)
+            return status
         if ranks.rank == 0:
-            console.start_progress(args.files, args.null, args.max_line_bytes, args.quiet)
+            console.start_progress(
+                args.files, args.null, args.max_line_bytes, args.quiet, total=total_records(args, None)
+            )
         started = time.perf_counter()
-        records = inputs.records(args.files, reader, private_stdin=args.batch > 1)
+        records = inputs.records(
+            args.files, reader, private_stdin=args.batch > 1, prompts=args.prompt, slurp=args.slurp
+        )
+        conversation = interactive.Conversation() if args.conversation else None
+        if conversation is not None:
+            records = conversation.turns(records)
         if resume is not None:
             records = (r for r in records if not resume.is_done(r.id))
         records = interrupts.guard(records)
@@ -222,8 +256,12 @@ def _run(
                     if isinstance(event, Error):
                         console.say(event.message())
                     interrupted = isinstance(event, Done) and event.finish_reason == "interrupted"
+                    cut += interrupted
+                    console.mark_cut(event, inline=not jsonl_out and renderer.stream)
                     if not (resume is not None and interrupted):  # FILE keeps one done per record: redo it
                         renderer.write(event)
+                if conversation is not None:
+                    conversation.saw(event)
                 if args.fail_fast and isinstance(event, Error):  # every rank sees every event: all stop here
                     events.close()
                     break
@@ -251,7 +289,26 @@ def _run(
             console.say(stats.line(time.perf_counter() - started))
     except KeyboardInterrupt:
         pass
+    total = total_records(args, console)
+    console.close()  # the progress line erased
+    if interrupts.signum and ranks.size == 1:
+        # Under mlx.launch the launcher, not a shell, reads the status (and rank 0 says nothing more).
+        done = stats.records - cut
+        of = f" of {total}" if total is not None else ""
+        how = "" if interrupts.signum == signal.SIGINT else f" by {signal.Signals(interrupts.signum).name}"
+        console.say(f"mlxpipe: interrupted{how} after {done}{of} records")
+        reraise_at_exit(interrupts.signum)
     signum = interrupts.signum or ranks.stop_signal
     if signum:
         return 128 + signum
     return EXIT_FAILED if stats.failed else EXIT_OK
+
+
+def total_records(args: argparse.Namespace, console: Console | None) -> int | None:
+    """How many records the run has, when that is known without reading the input (again): one per -p or,
+    with --slurp, per input; else what the progress display counted."""
+    if args.prompt and not args.slurp:
+        return len(args.prompt)
+    if args.slurp:
+        return len(args.files) or 1
+    return console.total if console is not None else None

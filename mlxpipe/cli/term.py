@@ -16,7 +16,7 @@ from typing import IO
 from ..events import Chunk, Done, Event
 from ..reader import split_records
 
-RED_BOLD, RESET = "\033[1;31m", "\033[0m"
+RED_BOLD, DIM, RESET = "\033[1;31m", "\033[2m", "\033[0m"
 _ERROR = re.compile(r"^(mlxpipe[^:]*: )error\b")  # "mlxpipe[rank 2]: error" too
 _REDRAW_SECONDS = 0.25  # the bar's tok/s and elapsed move while a long record streams
 
@@ -93,11 +93,33 @@ class Console:
         self.progress: Progress | None = None
         self.name = "mlxpipe"  # under mlx.launch, ranks other than 0 name themselves: "mlxpipe[rank 2]"
 
-    def start_progress(self, files: list[str], null: bool, max_bytes: int, quiet: bool) -> None:
-        """Show progress if stderr is a terminal, stdout is not and ``quiet`` is false."""
+    def start_progress(
+        self, files: list[str], null: bool, max_bytes: int, quiet: bool, total: int | None = None
+    ) -> None:
+        """Show progress if stderr is a terminal, stdout is not and ``quiet`` is false; ``total`` records
+        when known (-p), else counted in ``files`` when they are regular files."""
         if quiet or not self.stream.isatty() or sys.stdout.isatty():
             return
-        self.progress = Progress(count_records(files, null, max_bytes), self.stream)
+        if total is None:
+            total = count_records(files, null, max_bytes)
+        self.progress = Progress(total, self.stream)
+
+    @property
+    def total(self) -> int | None:
+        """The records the progress display counts to, when it knows."""
+        total = self.progress.bar.total if self.progress is not None else None
+        return int(total) if total is not None else None
+
+    def mark_cut(self, event: Event, inline: bool) -> None:
+        """After an answer that ``--max-tokens`` cut short, a mark on stderr, when stdout and stderr are the
+        same terminal and the answer's text streamed there (``inline``): stdout itself is unchanged."""
+        if not (inline and isinstance(event, Done) and event.finish_reason == "length"):
+            return
+        if not (self.stream.isatty() and sys.stdout.isatty()):
+            return
+        mark = f" [cut at {event.tokens} tokens: --max-tokens]"
+        self.stream.write(f"{DIM}{mark}{RESET}" if self.colour else mark)
+        self.stream.flush()
 
     def track(self, event: Event) -> None:
         """Feed an event to the progress display (a no-op without one)."""
