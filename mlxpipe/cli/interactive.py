@@ -120,6 +120,7 @@ class _LineEditor:
 
     def __init__(self) -> None:
         self.path = state_dir() / "history"
+        self.last: str | None = None
         try:
             import readline
         except ImportError:  # a Python built without it: plain input() still works
@@ -135,9 +136,11 @@ class _LineEditor:
             readline.read_history_file(self.path)
 
     def add(self, line: str) -> None:
-        """Keep ``line`` in the history file at once, so a killed session loses none."""
-        if self.readline is None:
+        """Keep ``line`` in the history file at once, so a killed session loses none (input() has put it
+        in readline's history, unless it repeats the line before, as bash's ignoredups)."""
+        if self.readline is None or line == self.last:
             return
+        self.last = line
         with contextlib.suppress(OSError):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if not self.path.exists():
