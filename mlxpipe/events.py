@@ -22,7 +22,10 @@ ignore what they do not know.
 
 ``id`` is the record's own ``id`` field when it has one, else its 1-based record number.
 ``tokens`` counts generated tokens so far (the EOS token included, as mlx-lm counts them);
-``tps`` is generation tokens per second. ``prompt_tokens`` is the whole prompt; ``prompt_tps`` is
+``tps`` is generation tokens per second: the tokens after the first over the time since the first came (the
+first token's own time is the prompt's, in ``prompt_tps``), so it is 0.0 while there is only one token — a
+rate needs two. (The sequential path follows this rule; ``--batch`` keeps "0.0 until it means something"
+too, see :mod:`mlxpipe.engine.batch`.) ``prompt_tokens`` is the whole prompt; ``prompt_tps`` is
 ``prompt_tokens`` over the time to the first token (a reused shared prefix counts as processed, so it
 shows the saving; under ``--batch`` the time includes waiting for the batch's step).
 ``finish_reason`` is "stop" on EOS or a stop string, "length" at max tokens, "interrupted" when SIGINT or

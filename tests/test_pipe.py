@@ -195,3 +195,22 @@ def test_system_prompt_goes_into_the_chat_template(engine) -> None:
     text = engine.tokenizer.decode(engine.encode(with_system))
     assert "Always answer in French." in text and PARIS in text
     assert "Always answer in French." not in engine.tokenizer.decode(engine.encode(rec))
+
+
+def test_prompts_from_the_command_line_and_a_slurped_document() -> None:
+    r = run_cli(["-n", "8", "-p", PARIS, "-p", "Say hi."])
+    assert r.returncode == 0 and r.stderr == b""
+    lines = r.stdout.decode().split("\n")
+    assert len(lines) == 3 and "Paris" in lines[0] and lines[2] == ""
+    memo = "The meeting moved to Tuesday at 10.\nBring the slides.\n"
+    slurped = run_cli(["--slurp", "-p", "When is the meeting?", "--jsonl", "-n", "16"], input=memo)
+    (done,) = [e for e in events(slurped.stdout) if e["event"] == "done"]
+    assert done["input"] == "When is the meeting?\n\n" + memo.rstrip("\n")  # instruction, then the document
+    assert "Tuesday" in done["text"]
+
+
+def test_tps_is_zero_until_there_are_two_tokens() -> None:
+    r = run_cli(["--jsonl", "-n", "4", "-p", "Count to five."])
+    chunks = [e for e in events(r.stdout) if e["event"] == "chunk"]
+    assert [c["tokens"] for c in chunks] == [1, 2, 3, 4]
+    assert chunks[0]["tps"] == 0.0 and all(c["tps"] > 0 for c in chunks[1:])

@@ -368,6 +368,17 @@ def test_ctrl_c_taken_by_another_thread_still_reaches_the_prompt_and_the_answer(
 
 
 @pytest.mark.model
+def test_an_answer_cut_by_max_tokens_is_marked_on_the_terminal_only() -> None:
+    argv = ["-n", "3", "-p", "Write a long story about a dragon."]
+    with on_terminal([*MLXPIPE, *argv], cli_env(TERM="xterm", NO_COLOR="1")) as (p, tty):
+        screen = read_until(tty, until_eof)
+        assert p.wait(timeout=60) == 0
+    piped = run_cli(argv)
+    assert piped.stdout.count(b"\n") == 1 and b"cut" not in piped.stdout + piped.stderr  # data unchanged
+    assert screen == piped.stdout.rstrip(b"\n") + b" [cut at 3 tokens: --max-tokens]\r\n"
+
+
+@pytest.mark.model
 def test_a_shell_loop_stops_at_the_first_ctrl_c(tmp_path: Path) -> None:
     # bash goes on with a loop when its child exits 130, and stops only when the child was killed by SIGINT.
     command = " ".join(MLXPIPE) + " -n 200 -p 'Write a long story about a dragon.'"

@@ -226,16 +226,22 @@ class Engine:
             prefill_step_size=self.prefill_step,
         )
         prompt_tps = 0.0
+        first = started
         try:
             for r in responses:
+                now = time.perf_counter()
                 if r.generation_tokens == 1:  # the whole prompt, the reused prefix included, over its time
-                    prompt_tps = len(tokens) / max(time.perf_counter() - started, 1e-9)
+                    prompt_tps = len(tokens) / max(now - started, 1e-9)
+                    first = now
+                # The tokens after the first over the time since it came (mlx-lm's figure counts the first
+                # token in a span that starts after it: tens of thousands per second at first).
+                tps = (r.generation_tokens - 1) / max(now - first, 1e-9) if r.generation_tokens > 1 else 0.0
                 segment, finish = stops.feed(r.text, r.finish_reason)
                 if finish is None and should_stop is not None and should_stop():
                     segment, finish = segment + stops.flush(), "interrupted"
                 if segment:
                     text.append(segment)
-                    yield Chunk(record.index, record.id, segment, r.generation_tokens, r.generation_tps)
+                    yield Chunk(record.index, record.id, segment, r.generation_tokens, tps)
                 if finish is not None:
                     answer = "".join(text)
                     yield Done(
@@ -244,7 +250,7 @@ class Engine:
                         text=answer,
                         finish_reason=finish,
                         tokens=r.generation_tokens,
-                        tps=r.generation_tps,
+                        tps=tps,
                         prompt_tokens=len(tokens),
                         prompt_tps=prompt_tps,
                         peak_memory=int(r.peak_memory * 1e9),  # mlx-lm reports GB
