@@ -187,3 +187,9 @@ def test_a_jsonl_file_read_as_lines_gets_a_hint(tmp_path: Path) -> None:
         "for JSON records add --in jsonl (or --jsonl)\n"
     )
     assert fake(["--jsonl", str(data)]).stderr == b""
+
+
+def test_empty_input_does_not_load_the_model() -> None:
+    r = run_cli(["-m", "/no/such/model.gguf", "--stats"], input=b"\n  \n")  # blank lines are no records
+    assert r.returncode == 0 and r.stdout == b"" and r.stderr.startswith(b"mlxpipe: 0 records, 0 failed")
+    assert run_cli(["-m", "/no/such/model.gguf"], input=b"Hi\n").returncode == 3  # a record: it must load

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import sys
 from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING
@@ -17,7 +18,16 @@ from ..records import BadRecord, Record, Settings, Template
 if TYPE_CHECKING:
     from ..constrain import Constraint
 
-__all__ = ["PROMPT", "check_files", "check_prompts", "constraint", "records", "settings", "template"]
+__all__ = [
+    "PROMPT",
+    "check_files",
+    "check_prompts",
+    "constraint",
+    "ready",
+    "records",
+    "settings",
+    "template",
+]
 
 PROMPT = "<prompt>"  # where a -p record comes from, in its error line: "(at <prompt>:2)" is the second -p
 
@@ -59,6 +69,19 @@ def records(
             yield from _slurp(name, stream, reader)
         else:
             yield from reader.read(name, stream)
+
+
+def ready(files: list[str]) -> bool:
+    """Whether the first input can be read without waiting: a regular file, or stdin holding data or at its
+    end. (A producer that has not written yet is not waited for: the model loads meanwhile.)"""
+    name = files[0] if files else "-"
+    if name != "-":
+        return os.path.isfile(name)
+    try:
+        readable, _, _ = select.select([sys.stdin.fileno()], [], [], 0)
+    except (OSError, ValueError, AttributeError):  # no stdin, or one select cannot watch
+        return False
+    return bool(readable)
 
 
 def _slurp(name: str, stream: IO[bytes], reader: RecordReader) -> Iterator[Record | BadRecord]:

@@ -10,6 +10,7 @@ Under ``mlx.launch`` rank 0 writes and carries the job's status; the other ranks
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -195,6 +196,22 @@ def _run(
     interrupts = Interrupts()
     stats = Stats()
     cut = 0  # records whose done line says "interrupted"
+    records = inputs.records(
+        args.files, reader, private_stdin=args.batch > 1, prompts=args.prompt, slurp=args.slurp
+    )
+    conversation = interactive.Conversation() if args.conversation else None
+    if conversation is not None:
+        records = conversation.turns(records)
+    if resume is not None:
+        records = (r for r in records if not resume.is_done(r.id))
+    if ranks.size == 1 and not (args.interactive or args.model_info) and inputs.ready(args.files):
+        # The input has arrived (or ended): an empty one (or one --resume has done) needs no model.
+        first = next(records, None)
+        if first is None:
+            if args.stats:
+                console.say(stats.line(0.0))
+            return EXIT_OK
+        records = itertools.chain([first], records)
     try:
         engine = _load(args, console, ranks)
         if isinstance(engine, int):
@@ -226,14 +243,6 @@ def _run(
                 args.files, args.null, args.max_line_bytes, args.quiet, total=total_records(args, None)
             )
         started = time.perf_counter()
-        records = inputs.records(
-            args.files, reader, private_stdin=args.batch > 1, prompts=args.prompt, slurp=args.slurp
-        )
-        conversation = interactive.Conversation() if args.conversation else None
-        if conversation is not None:
-            records = conversation.turns(records)
-        if resume is not None:
-            records = (r for r in records if not resume.is_done(r.id))
         records = interrupts.guard(records)
         ordered = not args.unordered
         if ranks.size > 1:  # under mlx.launch: --batch applies on each rank, to its own share
