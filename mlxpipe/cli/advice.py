@@ -33,7 +33,7 @@ def advice(args: argparse.Namespace, interactive: bool) -> list[str]:
         no_effect("--batch", "in interactive mode (one line is answered at a time)")
     if args.chat is False and not interactive:
         no_effect("--no-chat", "outside interactive mode (records are answered on their own anyway)")
-    if args.in_format == "lines":
+    if args.in_format == "lines" and not args.slurp:
         for name in args.files:
             if name.lower().endswith(_JSONL_SUFFIXES):
                 out.append(
