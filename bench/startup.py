@@ -1,6 +1,8 @@
 """Start-up: how long ``echo hi | mlxpipe -n 1`` takes as a whole process, and where that time goes.
 
-    flock -x /tmp/mlxpipe-cpu.lock python bench/startup.py [--rounds 5]
+    flock -x /tmp/mlxpipe-cpu.lock python bench/startup.py [--rounds 5] [--repo CHECKOUT]
+
+``--repo`` times another checkout's code (the main branch's, for a before/after); by default this one's.
 
 Each round runs, in fresh processes (a warm cache: the model folder and the compiled kernels exist):
 
@@ -10,8 +12,8 @@ Each round runs, in fresh processes (a warm cache: the model folder and the comp
 - the breakdown, in one process, each step timed after the one before: importing the command line
   (``mlxpipe.cli.main``), mlx (``mlxpipe.cpu``: the BLAS, then mlx), transformers, mlx-lm and the engine
   (``mlxpipe.engine``), then ``Engine.load`` split into the tokenizer (mlx-lm's loader), the weights
-  (mlx-lm's ``load_model``) and the rest (``Engine.load`` itself, which loads both again from the OS's page cache,
-  plus choosing and applying the dtype and the CPU paths), and the first token of "hi".
+  (mlx-lm's ``load_model``) and the rest (``Engine.load`` itself, which loads both again from the page
+  cache, plus choosing and applying the dtype and the CPU paths), and the first token of "hi".
 
 Prints the median of each over the rounds, the load average, and a Markdown table for bench/RESULTS.md.
 """
@@ -82,7 +84,10 @@ def _wall(argv: list[str], stdin: bytes) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose code is timed")
     args = parser.parse_args()
+    global REPO
+    REPO = args.repo.resolve()
     py = sys.executable
     mlxpipe = [py, "-m", "mlxpipe", "-n", "1"]
     _wall(mlxpipe, b"hi\n")  # warm: the page cache, the converted model, the compiled kernels
@@ -96,7 +101,7 @@ def main() -> int:
         for name, seconds in json.loads(out.stdout):
             runs.setdefault(f"  {name}", []).append(seconds)
         loads.append(os.getloadavg()[0])
-    print(f"load average (1 min) during the rounds: {min(loads):.2f} to {max(loads):.2f}; {args.rounds} rounds")
+    print(f"{REPO}: {args.rounds} rounds; load average (1 min) {min(loads):.2f} to {max(loads):.2f}")
     print("| step | median s | min s |")
     print("|---|---|---|")
     for name, values in runs.items():
