@@ -82,11 +82,11 @@ def _wall(argv: list[str], stdin: bytes) -> float:
 
 
 def main() -> int:
+    global REPO
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose code is timed")
     args = parser.parse_args()
-    global REPO
     REPO = args.repo.resolve()
     py = sys.executable
     mlxpipe = [py, "-m", "mlxpipe", "-n", "1"]
