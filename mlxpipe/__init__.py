@@ -6,9 +6,20 @@ events (see :mod:`mlxpipe.events` for the wire format). mlx is imported only whe
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_argv: list[str] = getattr(sys, "orig_argv", [])
+_command = "-mmlxpipe" in _argv or any(_argv[i : i + 2] == ["-m", "mlxpipe"] for i in range(len(_argv)))
+if sys.argv[:1] == ["-m"] and _command:
+    # `python -m mlxpipe` is starting (runpy imports this package before it finds __main__): a signal from now
+    # until the run has a record to finish ends the process at once, by the signal (see __main__.py).
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 if TYPE_CHECKING:
     from .engine import Engine

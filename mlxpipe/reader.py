@@ -89,6 +89,26 @@ def split_records(stream: IO[bytes], sep: bytes, max_bytes: int) -> Iterator[tup
         yield number + 1, None if overlong else bytes(buf)
 
 
+def read_whole(stream: IO[bytes], max_bytes: int) -> bytes | None:
+    """All of ``stream`` (``--slurp``), waiting on a non-blocking one as :func:`split_records` does; None when
+    it holds more than ``max_bytes`` (the rest is still read, so its writer is not cut off)."""
+    read = getattr(stream, "read1", stream.read)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = read(1 << 16)
+        if chunk is None:
+            _wait_readable(stream.fileno())
+            continue
+        if not chunk:
+            return None if size > max_bytes else b"".join(chunks)
+        size += len(chunk)
+        if size <= max_bytes:
+            chunks.append(chunk)
+        else:
+            chunks.clear()
+
+
 def _wait_readable(fd: int) -> None:
     if hasattr(select, "poll"):
         waiter = select.poll()
@@ -302,7 +322,7 @@ class RecordReader:
         lead = ""
         if self.fmt.template is not None:
             try:
-                text = self.fmt.template.render({"line": text})
+                text = self.fmt.template.render({"line": text, "text": text})
                 lead = self.fmt.template.lead
             except KeyError as exc:
                 return BadRecord(

@@ -95,6 +95,7 @@ fake.Engine = Engine  # type: ignore[attr-defined]
 sys.modules["mlxpipe.engine"] = fake
 
 from mlxpipe.cli.main import main  # noqa: E402
+from mlxpipe.cli.signals import exit_process  # noqa: E402
 
 
 class Sink(io.RawIOBase):
@@ -115,5 +116,5 @@ if __name__ == "__main__":
         sys.stdout = io.TextIOWrapper(io.BufferedWriter(Sink()))
         status = main()
         print(f"fakecli: {Sink.lines} lines", file=sys.stderr)
-        sys.exit(status)
-    sys.exit(main())
+        exit_process(status)
+    exit_process(main())

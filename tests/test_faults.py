@@ -272,7 +272,7 @@ def test_second_sigint_exits_at_once_even_in_a_long_prefill() -> None:
         p.wait(timeout=60)  # the prefill alone takes far longer than this on a CPU
     finally:
         p.kill()
-    assert p.returncode == 130
+    assert p.returncode == -signal.SIGINT  # at once, and still by the signal
     assert p.stdout.read() == b"" and b"Traceback" not in p.stderr.read()
 
 

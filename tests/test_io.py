@@ -135,7 +135,7 @@ def test_error_message_format() -> None:
 
 def test_usage_errors_exit_2_before_loading_a_model(capsys, tmp_path) -> None:
     assert cli.main(["--template", "{a.b}"]) == 2
-    assert cli.main(["--template", "{text}"]) == 2  # lines mode only has {line}
+    assert cli.main(["--template", "{question}"]) == 2  # lines mode only has {text} (or {line})
     assert cli.main([str(tmp_path / "missing.txt")]) == 2
     assert cli.main(["--template", "x", "--template-file", "y"]) == 2
     assert cli.main(["--temp", "-1"]) == 2

@@ -46,7 +46,7 @@ def _roff(text: str) -> str:
 
 
 def _choices(opt: Option) -> str:
-    return f" {opt.metavar} is one of: {', '.join(opt.choices)}." if opt.choices and opt.metavar else ""
+    return opt.allowed
 
 
 def _grouped() -> list[tuple[str, list[Option]]]:

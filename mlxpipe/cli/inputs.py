@@ -4,20 +4,33 @@ the default settings of every record."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import select
 import stat
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import UsageError
-from ..reader import STDIN, RecordReader, settings_from_object
+from ..reader import STDIN, RecordReader, read_whole, settings_from_object
 from ..records import BadRecord, Record, Settings, Template
 
 if TYPE_CHECKING:
     from ..constrain import Constraint
 
-__all__ = ["check", "check_files", "constraint", "records", "settings", "template"]
+__all__ = [
+    "PROMPT",
+    "check",
+    "check_files",
+    "check_prompts",
+    "constraint",
+    "ready",
+    "records",
+    "settings",
+    "template",
+]
 
+PROMPT = "<prompt>"  # where a -p record comes from, in its error line: "(at <prompt>:2)" is the second -p
 MAX_TEXT_FILE_BYTES = 1 << 20  # --template-file: far above any template, far below what /dev/zero would fill
 
 # Options whose value names a file: any bytes (a name that is not UTF-8 arrives surrogate-escaped).
@@ -88,10 +101,16 @@ def _undecodable(value: Any) -> int | None:
 
 
 def records(
-    files: list[str], reader: RecordReader, private_stdin: bool = False
+    files: list[str],
+    reader: RecordReader,
+    private_stdin: bool = False,
+    *,
+    prompts: list[str] | None = None,
+    slurp: bool = False,
 ) -> Iterator[Record | BadRecord]:
-    """Every record of the inputs in order (``-`` or no FILE: stdin). A FILE that cannot be opened at its
-    turn (removed since the start, say) is one error line, and the run goes on with the next.
+    """The records of the run: each -p TEXT (then stdin is not read), or each FILE (or stdin) whole with
+    ``slurp``, or the records of each FILE (or stdin) in turn. A FILE that cannot be opened at its turn
+    (removed since the start, say) is one error line, and the run goes on with the next.
 
     Inputs are read unbuffered, one ``read`` at a time: a record is taken as soon as it arrives, and a
     non-blocking descriptor says "nothing yet" instead of looking like its end. Descriptor 0 is read
@@ -99,6 +118,14 @@ def records(
     from a helper thread, which this always allows.
     """
     del private_stdin  # always private: a thread blocked on sys.stdin at exit made Python abort at shutdown
+    if prompts and not slurp:
+        for number, text in enumerate(prompts, 1):
+            raw = os.fsencode(text)  # as given: bytes that are not UTF-8 become the record's error
+            if reader.fmt.jsonl:  # a JSONL reader takes a JSON string as the prompt (and --template's field)
+                raw = json.dumps(text, ensure_ascii=False).encode("utf-8", "surrogateescape")
+            reader.count += 1
+            yield reader.parse(PROMPT, number, raw)
+        return
     for name in files or ["-"]:
         shown = STDIN if name == "-" else name
         try:
@@ -107,7 +134,42 @@ def records(
             yield reader.unreadable(shown, 1, exc)
             continue
         with stream:
-            yield from reader.read(shown, stream)
+            if slurp:
+                yield from _slurp(shown, stream, reader)
+            else:
+                yield from reader.read(shown, stream)
+
+
+def ready(files: list[str]) -> bool:
+    """Whether the first input can be read without waiting: a regular file, or stdin holding data or at its
+    end. (A producer that has not written yet is not waited for: the model loads meanwhile.)"""
+    name = files[0] if files else "-"
+    if name != "-":
+        return os.path.isfile(name)
+    try:
+        readable, _, _ = select.select([0], [], [], 0)
+    except (OSError, ValueError):  # no stdin, or one select cannot watch
+        return False
+    return bool(readable)
+
+
+def _slurp(name: str, stream: IO[bytes], reader: RecordReader) -> Iterator[Record | BadRecord]:
+    """All of ``stream`` as one record: trailing newlines dropped, nothing for blank input."""
+    limit = reader.fmt.max_line_bytes
+    try:
+        data = read_whole(stream, limit)
+    except OSError as exc:
+        yield reader.unreadable(name, 1, exc)
+        return
+    if data is None:
+        reader.count += 1
+        error = f"input longer than --max-line-bytes ({limit} bytes)"
+        yield BadRecord(reader.count, name, 1, reader.count, error)
+        return
+    data = data.removeprefix(b"\xef\xbb\xbf").rstrip(b"\r\n")
+    if data.strip():
+        reader.count += 1
+        yield reader.parse(name, 1, data)
 
 
 def template(args: argparse.Namespace) -> Template | None:
@@ -131,14 +193,39 @@ def template(args: argparse.Namespace) -> Template | None:
             ) from None
         if "\0" in text:
             raise UsageError(f"template file {name} is not text (it holds a NUL byte)")
+    if text is None and args.slurp and args.prompt:
+        # -p TEXT --slurp: the instruction, a blank line, the document. Its braces are its own.
+        text = args.prompt[0].replace("{", "{{").replace("}", "}}") + "\n\n{text}"
     if text is None:
         return None
     template = Template.parse(text)
-    if args.in_format == "lines" and set(template.fields) - {"line"}:
-        raise UsageError("in lines mode a template can only use {line}")
+    if args.in_format == "lines" and set(template.fields) - {"line", "text"}:
+        raise UsageError("in lines mode a template can only use {text} (or {line}): the record's text")
     if not template.fields and not text.strip():
         raise UsageError("the template gives an empty prompt")
     return template
+
+
+def check_prompts(args: argparse.Namespace) -> None:
+    """-p and --slurp: what goes together (see their help)."""
+    prompts: list[str] = args.prompt or []
+    if args.slurp:
+        if args.in_format == "jsonl":
+            raise UsageError("--slurp reads text: it cannot be used with --in jsonl")
+        if len(prompts) > 1:
+            raise UsageError("--slurp takes one -p: the instruction put before the document")
+        if prompts and (args.template is not None or args.template_file is not None):
+            raise UsageError(
+                "with --slurp, give -p or --template, not both: put the instruction in the template, "
+                "where {text} is the document"
+            )
+    elif prompts and args.files:
+        raise UsageError(
+            "-p and FILE cannot be used together: the prompts are the input (add --slurp to put the "
+            "prompt before each FILE's text)"
+        )
+    if any(not p.strip() for p in prompts):
+        raise UsageError("-p: empty prompt")
 
 
 def constraint(args: argparse.Namespace) -> Constraint | None:

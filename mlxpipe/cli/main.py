@@ -3,7 +3,7 @@
 Data goes to stdout, flushed per chunk; everything else goes to stderr. Exit status: 0 every record
 done, 1 some record failed, 2 usage error, 3 model could not be loaded, 4 output could not be written
 (stdout other than a closed pipe, stderr, or the ``--resume`` FILE: see :mod:`.streams`), 128+signal when
-interrupted.
+interrupted (as :func:`main` returns it; the command then ends by the signal itself, see :mod:`.signals`).
 Under ``mlx.launch`` rank 0 writes and carries the job's status; the other ranks answer their share
 (:mod:`mlxpipe.distributed`) and exit 0.
 """
@@ -11,6 +11,7 @@ Under ``mlx.launch`` rank 0 writes and carries the job's status; the other ranks
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -22,10 +23,11 @@ from ..errors import ModelError, UsageError
 from ..events import Done, Error
 from ..reader import InputFormat, RecordReader
 from ..resume import ResumeFile
-from . import inputs
+from . import inputs, interactive
+from .advice import advice
 from .options import build_parser
 from .render import Renderer, Stats
-from .signals import Interrupts
+from .signals import Interrupts, reraise_at_exit
 from .streams import OutputError, hold_standard_fds, raw_stdout, write_all
 from .term import Console
 
@@ -54,9 +56,12 @@ def _main(argv: list[str] | None, console: Console) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse has printed help, the version or a usage error
         return int(exc.code or 0)
-    if args.jsonl:
-        args.in_format = args.out_format = "jsonl"
+    if args.jsonl:  # with --slurp the input is text whatever the format: --jsonl then means the output
+        args.in_format, args.out_format = "lines" if args.slurp else "jsonl", "jsonl"
     try:
+        inputs.check_prompts(args)
+        args.interactive = interactive.wanted(args)
+        args.conversation = interactive.chat_wanted(args, args.interactive)
         if args.unordered and args.out_format != "jsonl":
             raise UsageError("--unordered needs JSONL output (--out jsonl): text lines carry no id")
         inputs.check(args)
@@ -67,6 +72,10 @@ def _main(argv: list[str] | None, console: Console) -> int:
     except UsageError as exc:
         console.say(f"mlxpipe: error: {exc}")
         return EXIT_USAGE
+    for line in advice(args, args.interactive):
+        console.say(line)
+    if args.interactive:
+        args.batch = 1
 
     from ..distributed import Ranks  # imports mlx: --help and usage errors need not wait for it
 
@@ -111,6 +120,11 @@ def _start(args: argparse.Namespace, console: Console, ranks: Ranks) -> _Started
     """
     from ..distributed import RankLost, broadcast, same_input
 
+    if ranks.size > 1 and args.conversation:
+        if ranks.rank:
+            return _helper_rank_done()
+        console.say("mlxpipe: error: --chat cannot be used under mlx.launch: each rank answers its own share")
+        return EXIT_USAGE
     if ranks.size > 1 and (not args.files or "-" in args.files):
         if ranks.rank:  # the same arguments on every rank: rank 0 says it, and carries the status
             return _helper_rank_done()
@@ -201,12 +215,30 @@ def _run(
     from ..pipeline import run
 
     interrupts = Interrupts()
-    interrupts.install()
     stats = Stats()
+    cut = 0  # records whose done line says "interrupted"
+    records = inputs.records(
+        args.files, reader, private_stdin=args.batch > 1, prompts=args.prompt, slurp=args.slurp
+    )
+    conversation = interactive.Conversation() if args.conversation else None
+    if conversation is not None:
+        records = conversation.turns(records)
+    if resume is not None:
+        records = (r for r in records if not resume.is_done(r.id))
+    if ranks.size == 1 and not (args.interactive or args.model_info) and inputs.ready(args.files):
+        # The input has arrived (or ended): an empty one (or one --resume has done) needs no model.
+        first = next(records, None)
+        if first is None:
+            if args.stats:
+                console.say(stats.line(0.0))
+            return EXIT_OK
+        records = itertools.chain([first], records)
     try:
         engine = _load(args, console, ranks)
         if isinstance(engine, int):
             return engine
+        # Only now is there something to finish cleanly; until here a signal ends the process at once.
+        interrupts.install()
         jsonl_out = args.out_format == "jsonl"
         renderer = Renderer(
             resume.out if resume is not None and resume.out is not None else raw_stdout(),
@@ -217,12 +249,22 @@ def _run(
             null=args.null,
             name="stdout" if resume is None else f"--resume file {args.resume}",
         )
+        if args.interactive:
+            started = time.perf_counter()
+            name = str(engine.info().get("spec") or "the model")
+            status = interactive.session(
+                engine, reader, renderer, console, interrupts, stats, chat=args.conversation, name=name
+            )
+            if args.stats:
+                console.say(stats.line(time.perf_counter() - started))
+            if status > 128:
+                reraise_at_exit(status - 128)
+            return status
         if ranks.rank == 0:
-            console.start_progress(args.files, args.null, args.max_line_bytes, args.quiet)
+            console.start_progress(
+                args.files, args.null, args.max_line_bytes, args.quiet, total=total_records(args, None)
+            )
         started = time.perf_counter()
-        records = inputs.records(args.files, reader, private_stdin=args.batch > 1)
-        if resume is not None:
-            records = (r for r in records if not resume.is_done(r.id))
         records = interrupts.guard(records)
         ordered = not args.unordered
         if ranks.size > 1:  # under mlx.launch: --batch applies on each rank, to its own share
@@ -245,8 +287,12 @@ def _run(
                     if isinstance(event, Error):
                         console.say(event.message())
                     interrupted = isinstance(event, Done) and event.finish_reason == "interrupted"
+                    cut += interrupted
+                    console.mark_cut(event, inline=not jsonl_out and renderer.stream)
                     if not (resume is not None and interrupted):  # FILE keeps one done per record: redo it
                         renderer.write(event)
+                if conversation is not None:
+                    conversation.saw(event)
                 if args.fail_fast and isinstance(event, Error):  # every rank sees every event: all stop here
                     events.close()
                     break
@@ -278,7 +324,26 @@ def _run(
             console.say(stats.line(time.perf_counter() - started))
     except KeyboardInterrupt:
         pass
+    total = total_records(args, console)
+    console.close()  # the progress line erased
+    if interrupts.signum and ranks.size == 1:
+        # Under mlx.launch the launcher, not a shell, reads the status (and rank 0 says nothing more).
+        done = stats.records - cut
+        of = f" of {total}" if total is not None else ""
+        how = "" if interrupts.signum == signal.SIGINT else f" by {signal.Signals(interrupts.signum).name}"
+        console.say(f"mlxpipe: interrupted{how} after {done}{of} records")
+        reraise_at_exit(interrupts.signum)
     signum = interrupts.signum or ranks.stop_signal
     if signum:
         return 128 + signum
     return EXIT_FAILED if stats.failed else EXIT_OK
+
+
+def total_records(args: argparse.Namespace, console: Console | None) -> int | None:
+    """How many records the run has, when that is known without reading the input (again): one per -p or,
+    with --slurp, per input; else what the progress display counted."""
+    if args.prompt and not args.slurp:
+        return len(args.prompt)
+    if args.slurp:
+        return len(args.files) or 1
+    return console.total if console is not None else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -48,6 +48,13 @@ class Option:
     @property
     def name(self) -> str:
         return self.flags[-1]
+
+    @property
+    def allowed(self) -> str:
+        """`` FORMAT is one of: lines, jsonl.`` for an option with choices, else empty."""
+        if not (self.choices and self.metavar):
+            return ""
+        return f" {self.metavar} is one of: {', '.join(self.choices)}."
 
     def signature(self) -> str:
         """``-n, --max-tokens N`` as shown in the man page and README."""
@@ -103,9 +110,29 @@ def json_object(text: str) -> dict[str, Any]:
 OPTIONS: tuple[Option, ...] = (
     # Input
     Option(
+        ("-p", "--prompt"),
+        "input",
+        "A prompt to answer: one record each time it is given; stdin is then not read. With --slurp, "
+        "the instruction put before each document (after a blank line).",
+        metavar="TEXT",
+        action="append",
+        man="Positional arguments are always FILEs, never prompts. Without --slurp, -p cannot be combined "
+        "with a FILE. A TEXT that starts with a dash is given as --prompt=TEXT.",
+    ),
+    Option(
+        ("--slurp",),
+        "input",
+        "Read all of stdin, or each FILE, as one record (a document) instead of one record per line; "
+        "in a --template it is {text}.",
+        action="store_true",
+        man="The document is the input with its trailing newlines removed; it must be UTF-8 and at most "
+        "--max-line-bytes long. With -p TEXT the prompt is TEXT, a blank line, then the document; for any "
+        "other shape give --template (for example --template 'Translate to French:\\n\\n{text}').",
+    ),
+    Option(
         ("--in",),
         "input",
-        "Input format: one prompt per line, or JSONL objects.",
+        "Input format: one prompt per line, or JSONL objects (default: lines).",
         metavar="FORMAT",
         choices=("lines", "jsonl"),
         default="lines",
@@ -129,7 +156,7 @@ OPTIONS: tuple[Option, ...] = (
         ("--template",),
         "input",
         "Build each prompt from the record: {name} is replaced by the record's "
-        "field ({line} in lines mode); {{ and }} are literal braces.",
+        "field ({text} or {line}, the record's text, in lines mode); {{ and }} are literal braces.",
         metavar="TEXT",
         man="A field that is not a string is inserted as JSON; a record without the field is an error. "
         "Only plain names are allowed.",
@@ -226,6 +253,25 @@ OPTIONS: tuple[Option, ...] = (
         default=1,
     ),
     Option(
+        ("--chat",),
+        "generation",
+        "Keep a conversation: each record is the next user turn, answered with the earlier turns and "
+        "answers as context (the default in interactive mode).",
+        action="store_const",
+        const=True,
+        dest="chat",
+        man="The chat template is applied to the whole history. Needs the model's chat template (not "
+        "--raw), lines input and --batch 1.",
+    ),
+    Option(
+        ("--no-chat",),
+        "generation",
+        "Answer each record on its own, also in interactive mode.",
+        action="store_const",
+        const=False,
+        dest="chat",
+    ),
+    Option(
         ("--no-prefix-cache",),
         "generation",
         "Do not reuse the KV cache of the prompt start that records share (system prompt, template).",
@@ -258,7 +304,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--out",),
         "output",
-        "Output format: the streamed text, or JSONL events.",
+        "Output format: the streamed text, or JSONL events (default: text).",
         metavar="FORMAT",
         choices=("text", "jsonl"),
         default="text",
@@ -317,9 +363,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--dtype",),
         "model",
-        "Weights' type for computing: auto picks the fastest per backend (on a CPU float32 when memory "
-        "allows, with an optimized BLAS on Linux; on CUDA with --batch bfloat16 when GPU memory allows; "
-        "otherwise on a GPU the quantized weights as loaded).",
+        "Weights' type for computing (default: auto): auto picks the fastest per backend (on a CPU "
+        "float32 when memory allows, with an optimized BLAS on Linux; on CUDA with --batch bfloat16 "
+        "when GPU memory allows; otherwise on a GPU the quantized weights as loaded).",
         metavar="TYPE",
         choices=DTYPES,
         default="auto",
@@ -340,7 +386,12 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 EPILOG = """\
+With stdin and stderr on a terminal and no FILE or -p, mlxpipe is interactive: a conversation, with
+line editing and history; Ctrl-C stops an answer, Ctrl-D (or Ctrl-C at an empty prompt, twice) quits.
+
 examples:
+  mlxpipe -p 'What is 2+2?'                      answer one prompt
+  cat memo.txt | mlxpipe --slurp -p 'Summarise this memo:'
   mlxpipe < prompts.txt                          answer each line, streaming the text
   mlxpipe --jsonl data.jsonl | jq -r 'select(.event=="done") | .text'
   paste prompts.txt <(mlxpipe --one-line < prompts.txt)
@@ -353,13 +404,34 @@ exit status: 0 all records done, 1 some records failed, 2 usage error, 3 model c
 
 
 class _Parser(argparse.ArgumentParser):
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: None = None
+    ) -> argparse.Namespace:
+        """argparse's, but an unknown option is named alone, with the nearest real one."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unknown_argument(extras, self._option_string_actions))
+        return parsed
+
     def error(self, message: str) -> NoReturn:
-        """A usage error: argparse's usage line and message, the error prefix coloured on a terminal."""
+        """A usage error: one line (the error prefix coloured on a terminal), then where help is."""
         from .term import Console
 
-        self.print_usage(sys.stderr)
         Console().say(f"{self.prog}: error: {message}")
+        print(f"Try '{self.prog} --help'.", file=sys.stderr, flush=True)
         self.exit(2)
+
+
+def unknown_argument(extras: list[str], known: Iterable[str]) -> str:
+    """The message for arguments argparse could not place: the first unknown option, and a guess."""
+    import difflib
+
+    unknown = next((a for a in extras if a.startswith("-") and a != "-"), None)
+    if unknown is None:
+        return f"unexpected argument {extras[0]!r}"
+    name = unknown.split("=", 1)[0] if unknown.startswith("--") else unknown
+    guess = difflib.get_close_matches(name, [k for k in known if k.startswith("--")], n=1, cutoff=0.6)
+    return f"unknown option {name}" + (f" (did you mean {guess[0]}?)" if guess else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -367,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="mlxpipe",
         add_help=False,
+        allow_abbrev=False,  # --max-token must not quietly mean --max-tokens, nor --prompt --prompt-key
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a local language model (mlx-lm) over records from stdin or files.",
@@ -374,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("files", nargs="*", metavar="FILE", help="input files; none or - reads stdin")
     groups = {key: parser.add_argument_group(title.lower()) for key, title in GROUPS.items()}
     for opt in OPTIONS:
-        kwargs: dict[str, Any] = {"help": opt.help}
+        kwargs: dict[str, Any] = {"help": opt.help + opt.allowed}
         if opt.action == "version":
             kwargs.update(action="version", version=f"mlxpipe {__version__}")
         elif opt.action:
@@ -389,5 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = opt.choices
         if opt.dest:
             kwargs["dest"] = opt.dest
+        if opt.const is not None:
+            kwargs["const"] = opt.const
         groups[opt.group].add_argument(*opt.flags, **kwargs)
     return parser

@@ -1,17 +1,71 @@
-"""SIGINT and SIGTERM: the first ends the record in flight cleanly, a second exits at once."""
+"""SIGINT and SIGTERM: the first ends the record in flight cleanly, a second exits at once.
+
+The process ends the Unix way (:func:`die`): once the interrupted record's line is written and flushed, the
+handler is reset and the signal raised again, so the parent sees "killed by SIGINT" (a shell's ``for`` loop
+stops; ``$?`` is 130, 143 for SIGTERM). Until the model is loaded there is nothing to finish: the command
+(``mlxpipe/__main__.py``) starts with the default disposition, so a signal then ends the process at once,
+with no traceback, whatever import is under way. :func:`mlxpipe.cli.main` itself returns 128 + N (the
+Python API); :func:`exit_process` turns that into the death by the signal.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
+import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from types import FrameType
+from typing import NoReturn
 
 from ..records import BadRecord, Record
 
-__all__ = ["Interrupts"]
+__all__ = ["Interrupts", "die", "exit_process", "reraise_at_exit"]
+
+_reraise: int | None = None  # the signal the process ends by, once main returns (set by reraise_at_exit)
+
+
+def reraise_at_exit(signum: int) -> None:
+    """Have :func:`exit_process` end the process by ``signum`` (the run it stopped has finished)."""
+    global _reraise
+    _reraise = signum
+
+
+def exit_process(status: int) -> NoReturn:
+    """End the process: by the signal that stopped the run when there was one, else with ``status``."""
+    if _reraise is not None:
+        die(_reraise)
+    sys.exit(status)
+
+
+def die(signum: int, flush: bool = True) -> NoReturn:
+    """End the process by ``signum`` itself: its handler reset to the default, the signal raised again.
+
+    ``flush`` first writes what stdout and stderr hold (not when exiting at once: the main thread may be
+    in the middle of a write, holding the stream's lock).
+    """
+    if flush:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+    try:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signum, signal.SIG_DFL)
+        else:  # Python's signal.signal works only in the main thread; the C library's works anywhere
+            import ctypes
+
+            libc = ctypes.CDLL(None)
+            libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+            libc.signal.restype = ctypes.c_void_p
+            libc.signal(signum, None)  # SIG_DFL
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        signal.pthread_kill(threading.get_ident(), signum)  # to this thread: delivered before it returns
+    except (OSError, ValueError, AttributeError):
+        pass
+    os._exit(128 + signum)  # a platform where that failed
 
 
 class Interrupts:
@@ -20,6 +74,10 @@ class Interrupts:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.reading = False  # blocked on input: nothing in flight, so stop right away
+        self.handled = 0  # signals whose handler has run
+        self.seen = 0  # signals the watcher thread has counted
+        self.base = 0  # self.seen at the last reset: a second signal after it exits at once
+        self.watched = False  # this instance's signals are counted by the watcher thread
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._handle)
@@ -49,14 +107,15 @@ class Interrupts:
         except (OSError, ValueError, AttributeError):  # a platform without it keeps the handler alone
             return
         cls._watching = True
+        self.watched = True
         main = threading.main_thread().ident
         nudge = getattr(signal, "SIGWINCH", None)  # ignored by default, so ours to catch
         if nudge is not None:
             signal.signal(nudge, lambda _signum, _frame: None)
 
         def watch() -> None:
-            seen = 0
             while True:
+                seen = self.seen - self.base
                 unhandled = seen == 1 and self.signum is None
                 ready, _, _ = select.select([r], [], [], 0.05 if unhandled else None)
                 if not ready:
@@ -67,18 +126,41 @@ class Interrupts:
                 if not data:
                     return
                 for signum in data:
-                    seen += signum in (signal.SIGINT, signal.SIGTERM)
-                    if seen >= 2:
-                        os._exit(128 + signum)
+                    self.seen += signum in (signal.SIGINT, signal.SIGTERM)
+                    if self.seen - self.base >= 2:
+                        die(signum, flush=False)
 
         threading.Thread(target=watch, name="mlxpipe-signals", daemon=True).start()
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.handled += 1
         if self.signum is not None:
-            os._exit(128 + self.signum)
+            die(signum, flush=False)
         self.signum = signum
         if self.reading:
             raise KeyboardInterrupt
+
+    def reset(self) -> None:
+        """Forget the signal taken (interactive mode: Ctrl-C ended an answer; the session goes on)."""
+        if self.watched:
+            # The watcher counts from the wakeup pipe, a moment after the handler ran: wait for it to have
+            # counted what was handled, so that its count starts again from the same place.
+            deadline = time.monotonic() + 1.0
+            while self.seen < self.handled and time.monotonic() < deadline:
+                time.sleep(0.005)
+            self.base = self.seen
+        self.signum = None
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around a blocking read (a line typed at a prompt): a signal during it raises KeyboardInterrupt."""
+        self.reading = threading.current_thread() is threading.main_thread()
+        try:
+            if self.signum is not None:  # taken before `reading` went up: never block after it
+                raise KeyboardInterrupt
+            yield
+        finally:
+            self.reading = False
 
     def signal_number(self) -> int | None:
         """The signal that stopped the run, if any."""

@@ -22,7 +22,7 @@ from ..events import Chunk, Done, Event
 from ..reader import split_records
 from .streams import raw_of, write_all
 
-RED_BOLD, RESET = "\033[1;31m", "\033[0m"
+RED_BOLD, DIM, RESET = "\033[1;31m", "\033[2m", "\033[0m"
 _ERROR = re.compile(r"^(mlxpipe[^:]*: )error\b")  # "mlxpipe[rank 2]: error" too
 _REDRAW_SECONDS = 0.25  # the bar's tok/s and elapsed move while a long record streams
 
@@ -133,11 +133,40 @@ class Console:
         self.name = "mlxpipe"  # under mlx.launch, ranks other than 0 name themselves: "mlxpipe[rank 2]"
         self.lost: str | None = None  # why a line could not be said: stderr failed
 
-    def start_progress(self, files: list[str], null: bool, max_bytes: int, quiet: bool) -> None:
-        """Show progress if stderr is a terminal, stdout is not and ``quiet`` is false."""
+    def start_progress(
+        self, files: list[str], null: bool, max_bytes: int, quiet: bool, total: int | None = None
+    ) -> None:
+        """Show progress if stderr is a terminal, stdout is not and ``quiet`` is false; ``total`` records
+        when known (-p), else counted in ``files`` when they are regular files."""
         if quiet or self.stream is None or not _isatty(self.stream) or os.isatty(1):
             return
-        self.progress = Progress(count_records(files, null, max_bytes), self.stream)
+        if total is None:
+            total = count_records(files, null, max_bytes)
+        self.progress = Progress(total, self.stream)
+
+    @property
+    def total(self) -> int | None:
+        """The records the progress display counts to, when it knows."""
+        total = self.progress.bar.total if self.progress is not None else None
+        return int(total) if total is not None else None
+
+    def mark_cut(self, event: Event, inline: bool) -> None:
+        """After an answer that ``--max-tokens`` cut short, a mark on stderr, when stdout and stderr are the
+        same terminal and the answer's text streamed there (``inline``): stdout itself is unchanged."""
+        if not (inline and isinstance(event, Done) and event.finish_reason == "length"):
+            return
+        if self.stream is None or not (_isatty(self.stream) and os.isatty(1)):
+            return
+        mark = f" [cut at {event.tokens} tokens: --max-tokens]"
+        try:
+            if self._raw is not None:
+                write_all(self._raw, (f"{DIM}{mark}{RESET}" if self.colour else mark).encode())
+            else:
+                self.stream.write(f"{DIM}{mark}{RESET}" if self.colour else mark)
+                self.stream.flush()
+        except OSError as exc:
+            if self.lost is None:
+                self.lost = exc.strerror or type(exc).__name__
 
     def track(self, event: Event) -> None:
         """Feed an event to the progress display (a no-op without one)."""
