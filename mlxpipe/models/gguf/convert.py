@@ -69,7 +69,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     mx = mlx_core()
 
     try:
-        raw = mx.load(str(gguf_path))
+        raw = mx.load(str(gguf_path), format="gguf")
     except (RuntimeError, ValueError, OSError) as e:
         raise ModelError(f"cannot read GGUF file {gguf_path}: {e}") from None
     assert isinstance(raw, dict)
