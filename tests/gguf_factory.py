@@ -139,6 +139,7 @@ def write_gguf(
     seed: int = 0,
     scale: float = 1.0,
     qtype: Any = None,
+    quantize: Any = None,
 ) -> Path:
     """Write a random-weight GGUF of ``arch`` with llama.cpp's tensor names and metadata keys.
 
@@ -197,7 +198,9 @@ def write_gguf(
         return (1.0 + base + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     def add(name: str, data: np.ndarray) -> None:
-        if qtype is not None and data.ndim == 2 and data.shape[1] % 32 == 0:
+        if quantize is not None and data.ndim == 2 and (done := quantize(name, data)) is not None:
+            w.add_tensor(name, done[0], raw_dtype=done[1])
+        elif qtype is not None and data.ndim == 2 and data.shape[1] % 32 == 0:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, data)

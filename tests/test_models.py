@@ -179,10 +179,10 @@ def test_unsupported_architecture(tmp_path: Path, isolated_cache: Path) -> None:
 
 def test_unsupported_tensor_type(tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
-    q4k = gguf.GGMLQuantizationType.Q4_K
-    raw = np.zeros((4, 144), np.uint8)  # one 256-wide Q4_K block per row
-    path = _write_gguf(tmp_path / "k.gguf", "llama", {"blk.0.attn_q.weight": (raw, q4k)})
-    with pytest.raises(ModelError, match="Q4_K"):
+    iq4 = gguf.GGMLQuantizationType.IQ4_NL
+    raw = np.zeros((4, 18), np.uint8)  # one 32-wide IQ4_NL block per row
+    path = _write_gguf(tmp_path / "k.gguf", "llama", {"blk.0.attn_q.weight": (raw, iq4)})
+    with pytest.raises(ModelError, match="IQ4_NL"):
         convert_gguf(path, tmp_path / "out")
 
 

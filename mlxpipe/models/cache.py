@@ -19,7 +19,7 @@ from .source import ModelSource
 __all__ = ["CONVERTER_VERSION", "materialize"]
 
 # Part of the cache key: bump it whenever the converter's output changes, so old folders are not reused.
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 _STALE_TEMP_SECONDS = 3600
 
 

@@ -30,7 +30,9 @@ _END_TOKENS = (
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
 
 
-def tokenizer_files(gguf_path: Path, md: dict[str, Any]) -> tuple[Any, dict[str, Any], list[int]]:
+def tokenizer_files(
+    gguf_path: Path, md: dict[str, Any], arch: str = "llama"
+) -> tuple[Any, dict[str, Any], list[int]]:
     """Build a byte-level BPE tokenizer (tokenizers.Tokenizer), its tokenizer_config and the eos token ids."""
     model = md.get("tokenizer.ggml.model")
     if model != "gpt2":
@@ -115,7 +117,7 @@ def tokenizer_files(gguf_path: Path, md: dict[str, Any]) -> tuple[Any, dict[str,
         "add_bos_token": add_bos,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(md.get("llama.context_length", 2048)),
+        "model_max_length": int(md.get(f"{arch}.context_length", 2048)),
     }
     for key in ("bos", "eos", "unk", "pad"):
         if (special := token(key)) is not None:
