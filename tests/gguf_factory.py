@@ -67,7 +67,7 @@ def tiny_bpe(pre: str = "llama-bpe") -> dict[str, Any]:
     }
 
 
-def trained_spm(path: Path, vocab_size: int = 300, text: str | None = None) -> dict[str, Any]:
+def trained_spm(path: Path, vocab_size: int = 400, text: str | None = None) -> dict[str, Any]:
     """Tokenizer metadata of a SentencePiece (BPE, byte fallback) model trained here on a small corpus."""
     import sentencepiece as spm
 
@@ -89,7 +89,8 @@ def trained_spm(path: Path, vocab_size: int = 300, text: str | None = None) -> d
     spm.SentencePieceTrainer.train(
         input=str(corpus), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
         character_coverage=1.0, user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
-        bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2,
+        bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2, normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
     )  # fmt: skip
     proc = spm.SentencePieceProcessor(model_file=prefix + ".model")
     tokens, scores, types = [], [], []
@@ -172,7 +173,7 @@ def write_gguf(
     if arch == "phi3":
         w.add_rope_dimension_count(head_dim)
     if rope_freqs:
-        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        w.add_rope_scaling_orig_ctx_len(8192)
 
     w.add_tokenizer_model(tok["model"])
     if "pre" in tok:
@@ -194,8 +195,8 @@ def write_gguf(
         return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
 
     def norm(n: int) -> np.ndarray:
-        base = 0.0 if arch in ("gemma2", "gemma3") else 1.0  # gemma files store 1 + w
-        return (1.0 + base + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        # Gemma's files store 1 + w, w near 0; the others w near 1.
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     def add(name: str, data: np.ndarray) -> None:
         if quantize is not None and data.ndim == 2 and (done := quantize(name, data)) is not None:
@@ -210,7 +211,12 @@ def write_gguf(
     if not tied or arch == "phi3":
         add("output.weight", mat(vocab, hidden))
     if rope_freqs:
-        add("rope_freqs.weight", np.linspace(1.0, 8.0, head_dim // 2).astype(np.float32))
+        # Llama 3.1's scaling (factor 8, low 1, high 4, 8192) as llama.cpp's converter bakes it into a tensor.
+        from mlxpipe.models.gguf.config import llama3_factors
+
+        scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}  # fmt: skip
+        w.add_tensor("rope_freqs.weight", llama3_factors(scaling, 10000.0, head_dim).astype(np.float32))
     q, kv = heads * head_dim, kv_heads * head_dim
     for i in range(layers):
         b = f"blk.{i}."
