@@ -1,8 +1,7 @@
 """A GGUF file → an MLX model folder (config.json, model.safetensors, tokenizer files).
 
-Tensors are read from the memory-mapped file and written one slice of rows at a time straight into the
-safetensors file (its header is planned first), so converting peaks at a few slices' worth of memory plus the
-pages the kernel maps, never a second copy of the model.
+Tensors are read (``pread``) and written one slice of rows at a time straight into the safetensors file (its
+header is planned first), so converting holds a few slices' worth of memory, never a copy of the model.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from .tokenizer import tokenizer_files
 
 __all__ = ["convert_gguf"]
 
-_SLICE_BYTES = 32 << 20  # GGUF bytes converted per step
+_SLICE_BYTES = 4 << 20  # GGUF bytes converted per step: its intermediates are ~10x that
 _ST_DTYPES = {"<f4": "F32", "<f2": "F16", "<u2": "BF16", "<u4": "U32"}
 
 
@@ -81,9 +80,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     rope_freqs = None
     by_name = {t.name: t for t in infos}
     with open(gguf_path, "rb") as f:
-        mapped = np.memmap(f, dtype=np.uint8, mode="r")
+        source = f.fileno()
         if "rope_freqs.weight" in by_name:
-            rope_freqs = np.array(_rows(mapped, by_name["rope_freqs.weight"], 0, 1)).view("<f4")
+            rope_freqs = _rows(source, by_name["rope_freqs.weight"], 0, 1).view("<f4")
         config = build_config(gguf_path, arch, metadata, names, rope_freqs)
         tokenizer, tokenizer_config, eos_ids = tokenizer_files(gguf_path, metadata, arch)
         config["eos_token_id"] = eos_ids
@@ -96,11 +95,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
         out_dir.mkdir(parents=True, exist_ok=True)
         try:
-            _write_safetensors(out_dir / "model.safetensors", mapped, plan, arch)
+            _write_safetensors(out_dir / "model.safetensors", source, plan, arch)
         except OSError as e:
             raise ModelError(f"cannot write converted model to {out_dir}: {e}") from None
-        finally:
-            del mapped
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
     tokenizer.save(str(out_dir / "tokenizer.json"))
@@ -132,14 +129,16 @@ def _row_bytes(t: TensorInfo) -> int:
     return t.shape[-1] // block * size
 
 
-def _rows(mapped: np.ndarray, t: TensorInfo, start: int, stop: int) -> np.ndarray:
+def _rows(source: int, t: TensorInfo, start: int, stop: int) -> np.ndarray:
     per = _row_bytes(t)
-    rows: np.ndarray = mapped[t.offset + start * per : t.offset + stop * per].reshape(stop - start, per)
-    return rows
+    data = os.pread(source, (stop - start) * per, t.offset + start * per)
+    if len(data) != (stop - start) * per:
+        raise ModelError(f"GGUF tensor {t.name!r} extends past the end of the file (truncated?)")
+    return np.frombuffer(data, np.uint8).reshape(stop - start, per)
 
 
 def _write_safetensors(
-    path: Path, mapped: np.ndarray, plan: list[tuple[TensorInfo, str, list[_Out]]], arch: str
+    path: Path, source: int, plan: list[tuple[TensorInfo, str, list[_Out]]], arch: str
 ) -> None:
     header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
     offset = 0
@@ -165,7 +164,7 @@ def _write_safetensors(
             step = max(1, _SLICE_BYTES // max(1, _row_bytes(t)))
             for r0 in range(0, rows, step):
                 r1 = min(rows, r0 + step)
-                result = quants.convert_rows(_rows(mapped, t, r0, r1), t.ggml_type, t.shape[-1])
+                result = quants.convert_rows(_rows(source, t, r0, r1), t.ggml_type, t.shape[-1])
                 if isinstance(result, np.ndarray):
                     pieces = [float_fix(arch, target, result)]
                 else:

@@ -56,11 +56,13 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
     consecutive values, lowest bits first, as uint32 words (rows x cols·bits/32)."""
     rows, cols = q.shape
     if bits in (2, 4, 8):
-        per = 32 // bits
-        parts = q.reshape(rows, cols // per, per).astype(np.uint32)
-        shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
-        out: np.ndarray = np.bitwise_or.reduce(parts << shifts, axis=2)
-        return out
+        # Whole values per byte: little-endian bytes are already MLX's word order.
+        per = 8 // bits
+        byte = q[:, 0::per].astype(np.uint8)
+        for k in range(1, per):
+            byte |= q[:, k::per] << (k * bits)
+        words: np.ndarray = np.ascontiguousarray(byte).view("<u4")
+        return words
     stream = ((q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(rows, cols * bits)
     packed: np.ndarray = np.packbits(stream, axis=-1, bitorder="little").view("<u4")
     return packed
