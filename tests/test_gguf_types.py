@@ -219,3 +219,36 @@ def test_unknown_type_is_one_line(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ModelError, match=r"unsupported GGUF tensor type IQ2_XXS .*\(supported: .*Q6_K"):
         convert_gguf(path, tmp_path / "out")
+
+
+@pytest.mark.model
+def test_engine_on_5_and_8_bit_layers_matches_the_quantized_model(tmp_path: Path, monkeypatch: Any) -> None:
+    import mlx_lm
+
+    from mlxpipe.cpu import gemv, mlx_core
+    from mlxpipe.engine import Engine
+
+    mx = mlx_core()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    names: list[str] = []
+
+    def quantize(name: str, data: np.ndarray) -> tuple[np.ndarray, Any]:
+        qtype = T.Q8_0 if len(names) % 2 else T.Q5_0
+        names.append(name)
+        return gguf.quants.quantize(data, qtype), qtype
+
+    path = write_gguf(tmp_path / "q58.gguf", "llama", tiny_bpe(), hidden=128, ffn=256, quantize=quantize)
+    engine = Engine.load(str(path), dtype="float32")
+    # Only the 8-bit matrices may read their quantized bytes; the 5-bit ones stay on the float path.
+    eight = sum(1 for i, n in enumerate(names) if i % 2 and n != "token_embd.weight")
+    assert engine.quantized_rows <= eight
+    if gemv.quantized_available():
+        assert engine.quantized_rows > 0
+    reference, _ = mlx_lm.load(engine.folder)
+    tokens = mx.array([[5, 6, 7]])
+    for step in range(3):  # one-row products (the decode path) included
+        ours = np.array(engine.model(tokens[:, step : step + 1]).astype(mx.float32))
+        theirs = np.array(reference(tokens[:, step : step + 1]).astype(mx.float32))
+        # Float32 against mlx's quantized kernels: rounding differs, a misread weight would not be this close.
+        assert np.abs(ours - theirs).max() < 2e-3 * np.abs(theirs).max()
+        assert ours.argmax() == theirs.argmax()
