@@ -353,12 +353,14 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("-m", "--model"),
         "model",
-        "A .gguf file, an MLX model folder or a Hugging Face repo id "
+        "A .gguf file, an MLX model folder, a Hugging Face repo id or ollama:NAME[:TAG] "
         "(default: $MLXPIPE_MODEL, else the embedded SmolLM2-135M-Instruct).",
         metavar="MODEL",
-        man="A .gguf file (llama architecture; Q4_0, Q4_1, Q8_0, F16 or F32 tensors) is converted once to an "
-        "MLX model folder, cached under $XDG_CACHE_HOME/mlxpipe. A repo id is downloaded where the network "
-        "allows.",
+        man="A .gguf file (llama, qwen2, qwen3, gemma2, gemma3 or phi3; F32, F16, BF16, Q4_0, Q4_1, Q5_0, "
+        "Q5_1, Q8_0 and K-quant tensors) is converted once to an MLX model folder, cached under "
+        "$XDG_CACHE_HOME/mlxpipe; so is an Ollama model's GGUF, found under $OLLAMA_MODELS. A repo id is "
+        "read from the local Hugging Face cache, and downloaded only when it is not there and the hub "
+        "answers.",
     ),
     Option(
         ("--dtype",),

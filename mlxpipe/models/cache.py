@@ -13,26 +13,30 @@ from pathlib import Path
 
 from ..errors import ModelError
 from ..paths import cache_dir
+from . import hub
 from .gguf import convert_gguf
 from .source import ModelSource
 
 __all__ = ["CONVERTER_VERSION", "materialize"]
 
 # Part of the cache key: bump it whenever the converter's output changes, so old folders are not reused.
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 _STALE_TEMP_SECONDS = 3600
 
 
 def materialize(source: ModelSource) -> str:
-    """Return what ``mlx_lm.load`` should get: a cached converted folder for a GGUF, else the folder or id."""
-    if source.kind == "hub":
-        return source.spec
+    """Return the folder ``mlx_lm.load`` should get: a GGUF's cached conversion, a hub id's snapshot
+    (downloaded first where it is not cached and the network allows), else the folder itself."""
+    if source.kind == "hub" and source.path is None:
+        return str(hub.download(source.spec))
     if source.path is None:
         raise ModelError(f"model source has no path: {source.spec}")
-    if source.kind == "folder":
+    if source.kind in ("folder", "hub"):
         return str(source.path)
     if source.kind in ("gguf", "embedded"):
         return str(_cached_conversion(source.path))
+    if source.kind == "ollama":
+        return str(_cached_conversion(source.path, source.spec.partition(":")[2]))
     raise ModelError(f"unknown model source kind: {source.kind}")
 
 
@@ -46,9 +50,10 @@ def _cache_key(gguf_path: Path) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
 
 
-def _cached_conversion(gguf_path: Path) -> Path:
+def _cached_conversion(gguf_path: Path, name: str | None = None) -> Path:
     models = cache_dir() / "models"
-    name = gguf_path.name[: -len(".gguf")] if gguf_path.name.lower().endswith(".gguf") else gguf_path.name
+    if name is None:
+        name = gguf_path.name[: -len(".gguf")] if gguf_path.name.lower().endswith(".gguf") else gguf_path.name
     stem = re.sub(r"[^\w.-]+", "_", name)
     target = models / f"{stem}-{_cache_key(gguf_path)[:20]}"
     if (target / "config.json").is_file():

@@ -1,4 +1,5 @@
-"""A ``--model`` spec → :class:`ModelSource`: the embedded GGUF, a GGUF file, an MLX folder or a hub id."""
+"""A ``--model`` spec → :class:`ModelSource`: the embedded GGUF, a GGUF file, an MLX folder, a Hugging Face
+hub id (from the local cache when there) or an Ollama name."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelError
+from . import hub, ollama
 
 __all__ = ["EMBEDDED_NAME", "ModelSource", "resolve"]
 
@@ -26,8 +28,10 @@ GGUF_MAGIC = b"GGUF"
 class ModelSource:
     """Where a model comes from.
 
-    ``kind`` is "embedded", "gguf", "folder" or "hub"; ``spec`` is what the user gave (or the embedded model's
-    name); ``path`` is the file or folder on disk, None for a hub id.
+    ``kind`` is "embedded", "gguf", "folder", "hub" or "ollama"; ``spec`` is what the user gave (or the
+    embedded model's name); ``path`` is the file or folder on disk: a hub id's cached snapshot, None when
+    it is not cached (then :func:`~mlxpipe.models.materialize` downloads it where the network allows), an
+    Ollama name's GGUF blob.
     """
 
     kind: str
@@ -38,13 +42,16 @@ class ModelSource:
 def resolve(spec: str | None) -> ModelSource:
     """Resolve a model spec: None or "" means $MLXPIPE_MODEL, else the embedded SmolLM2 model.
 
-    Raises ModelError for a path that does not exist, a folder that is not an MLX model, a file that is not
-    GGUF, or a missing embedded model.
+    Accepted forms are listed in :data:`FORMS`. Raises ModelError for a path that does not exist, a folder
+    that is not an MLX model, a file that is not GGUF, an Ollama name not pulled, a bare name that is none of
+    the forms, or a missing embedded model.
     """
     if not spec:
         spec = os.environ.get("MLXPIPE_MODEL", "")
     if not spec:
         return ModelSource("embedded", EMBEDDED_NAME, _embedded_path())
+    if spec.startswith(ollama.PREFIX):
+        return ModelSource("ollama", spec, ollama.blob(spec[len(ollama.PREFIX) :]))
 
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -59,7 +66,19 @@ def resolve(spec: str | None) -> ModelSource:
         raise ModelError(f"not a GGUF file or MLX model folder: {spec}")
     if _looks_like_path(spec):
         raise ModelError(f"no such file: {spec}")
-    return ModelSource("hub", spec, None)
+    cached = hub.snapshot(spec)
+    if cached is not None or _HUB_ID.match(spec):
+        return ModelSource("hub", spec, cached)
+    hint = ""
+    try:
+        ollama.blob(spec)
+        hint = f" (Ollama has it: -m ollama:{spec})"
+    except ModelError:
+        pass
+    raise ModelError(f"unknown model {spec!r}{hint}: -m takes {FORMS}")
+
+
+FORMS = "a .gguf file, an MLX model folder, a Hugging Face id OWNER/NAME, or ollama:NAME[:TAG]"
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

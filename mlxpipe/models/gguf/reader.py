@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ModelError
+from .quants import BLOCKS
 
 __all__ = ["GGML_TYPES", "SUPPORTED_TYPES", "TensorInfo", "read_header"]
 
@@ -49,8 +50,8 @@ GGML_TYPES = {
     35: "TQ2_0",
     39: "MXFP4",
 }
-# Types mx.load returns natively (Q4_0/Q4_1/Q8_0 as MLX quantized triples): (block size, bytes per block).
-SUPPORTED_TYPES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34)}
+# Types the converter reads (quants.py): (weights per block, bytes per block).
+SUPPORTED_TYPES = BLOCKS
 
 # GGUF metadata value types: struct format of the scalar ones.
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -59,6 +60,8 @@ _STRING, _ARRAY = 8, 9
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """One tensor: numpy-order shape, GGML type and where its data starts in the file (absolute offset)."""
+
     name: str
     shape: tuple[int, ...]
     ggml_type: int
@@ -162,6 +165,7 @@ def _parse_header(path: Path, buf: mmap.mmap, size: int) -> tuple[dict[str, Any]
     if not isinstance(alignment, int) or alignment <= 0:
         alignment = 32
     data_start = -(-r.pos // alignment) * alignment
+    tensors = [TensorInfo(t.name, t.shape, t.ggml_type, data_start + t.offset) for t in tensors]
     for t in tensors:
         if t.ggml_type not in SUPPORTED_TYPES:
             continue  # reported by the caller, which knows what is supported
@@ -169,7 +173,7 @@ def _parse_header(path: Path, buf: mmap.mmap, size: int) -> tuple[dict[str, Any]
         n = 1
         for d in t.shape:
             n *= d
-        if data_start + t.offset + n // block * block_bytes > size:
+        if t.offset + n // block * block_bytes > size:
             raise ModelError(
                 f"cannot read GGUF file {path}: tensor {t.name} extends past the end of the file "
                 "(truncated or corrupt download?)"
