@@ -16,12 +16,14 @@ import json
 import os
 import signal
 import time
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING
 
 from .. import launcher
 from ..errors import ModelError, UsageError
-from ..events import Done, Error
+from ..events import Done, Error, Event
 from ..reader import InputFormat, RecordReader
+from ..records import BadRecord, Record
 from ..resume import ResumeFile
 from . import inputs, interactive
 from .advice import advice
@@ -202,6 +204,17 @@ def _load(args: argparse.Namespace, console: Console, ranks: Ranks) -> Engine | 
     return engine
 
 
+class _Job:
+    """One run's state, shared by the steps of :func:`_run`."""
+
+    def __init__(self, args: argparse.Namespace, console: Console, ranks: Ranks) -> None:
+        self.args, self.console, self.ranks = args, console, ranks
+        self.interrupts = Interrupts()
+        self.stats = Stats()
+        self.cut = 0  # records whose done line says "interrupted"
+        self.conversation = interactive.Conversation() if args.conversation else None
+
+
 def _run(
     args: argparse.Namespace,
     console: Console,
@@ -210,27 +223,14 @@ def _run(
     resume: ResumeFile | None,
     constraint: Constraint | None,
 ) -> int:
-    from ..distributed import RankLost, RanksDisagree
-    from ..distributed import run as run_ranks
-    from ..pipeline import run
-
-    interrupts = Interrupts()
-    stats = Stats()
-    cut = 0  # records whose done line says "interrupted"
-    records = inputs.records(
-        args.files, reader, private_stdin=args.batch > 1, prompts=args.prompt, slurp=args.slurp
-    )
-    conversation = interactive.Conversation() if args.conversation else None
-    if conversation is not None:
-        records = conversation.turns(records)
-    if resume is not None:
-        records = (r for r in records if not resume.is_done(r.id))
+    job = _Job(args, console, ranks)
+    records = _records(job, reader, resume)
     if ranks.size == 1 and not (args.interactive or args.model_info) and inputs.ready(args.files):
         # The input has arrived (or ended): an empty one (or one --resume has done) needs no model.
         first = next(records, None)
         if first is None:
             if args.stats:
-                console.say(stats.line(0.0))
+                console.say(job.stats.line(0.0))
             return EXIT_OK
         records = itertools.chain([first], records)
     try:
@@ -238,105 +238,161 @@ def _run(
         if isinstance(engine, int):
             return engine
         # Only now is there something to finish cleanly; until here a signal ends the process at once.
-        interrupts.install()
-        jsonl_out = args.out_format == "jsonl"
-        renderer = Renderer(
-            resume.out if resume is not None and resume.out is not None else raw_stdout(),
-            jsonl=jsonl_out,
-            # Constrained text is printed whole once complete: a cut-short answer never reaches stdout.
-            stream=not args.no_stream and resume is None and (jsonl_out or constraint is None),
-            one_line=args.one_line,
-            null=args.null,
-            name="stdout" if resume is None else f"--resume file {args.resume}",
-        )
+        job.interrupts.install()
+        renderer = _renderer(args, resume, constraint)
         if args.interactive:
-            started = time.perf_counter()
-            name = str(engine.info().get("spec") or "the model")
-            status = interactive.session(
-                engine, reader, renderer, console, interrupts, stats, chat=args.conversation, name=name
-            )
-            if args.stats:
-                console.say(stats.line(time.perf_counter() - started))
-            if status > 128:
-                reraise_at_exit(status - 128)
-            return status
+            return _interactive(job, engine, reader, renderer)
         if ranks.rank == 0:
             console.start_progress(
                 args.files, args.null, args.max_line_bytes, args.quiet, total=total_records(args, None)
             )
         started = time.perf_counter()
-        records = interrupts.guard(records)
-        ordered = not args.unordered
-        if ranks.size > 1:  # under mlx.launch: --batch applies on each rank, to its own share
-            events = run_ranks(
-                records,
-                engine,
-                ranks,
-                interrupts,
-                interrupts.signal_number,
-                batch=args.batch,
-                ordered=ordered,
-            )
-        else:
-            events = run(records, engine, interrupts, batch=args.batch, ordered=ordered)
-        try:
-            for event in events:
-                stats.add(event)
-                if ranks.rank == 0:  # under mlx.launch only rank 0 writes; the others count, for the status
-                    console.track(event)
-                    if isinstance(event, Error):
-                        console.say(event.message())
-                    interrupted = isinstance(event, Done) and event.finish_reason == "interrupted"
-                    cut += interrupted
-                    console.mark_cut(event, inline=not jsonl_out and renderer.stream)
-                    if not (resume is not None and interrupted):  # FILE keeps one done per record: redo it
-                        renderer.write(event)
-                if conversation is not None:
-                    conversation.saw(event)
-                if args.fail_fast and isinstance(event, Error):  # every rank sees every event: all stop here
-                    events.close()
-                    break
-        except BrokenPipeError:
-            # The reader went away (`| head`): stop generating, say nothing, succeed.
-            events.close()
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-            return EXIT_OK
-        except OutputError as exc:  # the records written before are whole lines; the rest are not written
-            events.close()
-            console.say(f"mlxpipe: error: {exc}; the records after the last whole line were not written")
-            return EXIT_OUTPUT
-        except RanksDisagree as exc:
-            console.say(
-                f"mlxpipe: error: the ranks of the mlx.launch job read different records ({exc}); every rank "
-                f"needs the same input (and --resume file); the first {stats.records} records were written"
-            )
-            return EXIT_FAILED
-        except RankLost as exc:
-            console.say(
-                f"mlxpipe: error: lost a rank of the mlx.launch job ({exc}); the first {stats.records} "
-                "records were written, the rest were not: run the job again with --resume to finish it"
-            )
-            return 128 + interrupts.signum if interrupts.signum is not None else EXIT_FAILED
+        status = _write(job, _events(job, engine, records), renderer, resume)
+        if status is not None:
+            return status
         if ranks.rank:  # rank 0 carries the job's status, a stop included
             return _helper_rank_done()
         console.close()
         if args.stats:
-            console.say(stats.line(time.perf_counter() - started))
+            console.say(job.stats.line(time.perf_counter() - started))
     except KeyboardInterrupt:
         pass
+    return _status(job)
+
+
+def _records(job: _Job, reader: RecordReader, resume: ResumeFile | None) -> Iterator[Record | BadRecord]:
+    """The run's records: -p prompts, --slurp documents or the inputs' records; turns of a conversation
+    with --chat; less those --resume has done."""
+    args = job.args
+    records = inputs.records(
+        args.files, reader, private_stdin=args.batch > 1, prompts=args.prompt, slurp=args.slurp
+    )
+    if job.conversation is not None:
+        records = job.conversation.turns(records)
+    if resume is not None:
+        records = (r for r in records if not resume.is_done(r.id))
+    return records
+
+
+def _renderer(args: argparse.Namespace, resume: ResumeFile | None, constraint: Constraint | None) -> Renderer:
+    jsonl_out = args.out_format == "jsonl"
+    return Renderer(
+        resume.out if resume is not None and resume.out is not None else raw_stdout(),
+        jsonl=jsonl_out,
+        # Constrained text is printed whole once complete: a cut-short answer never reaches stdout.
+        stream=not args.no_stream and resume is None and (jsonl_out or constraint is None),
+        one_line=args.one_line,
+        null=args.null,
+        name="stdout" if resume is None else f"--resume file {args.resume}",
+    )
+
+
+def _interactive(job: _Job, engine: Engine, reader: RecordReader, renderer: Renderer) -> int:
+    started = time.perf_counter()
+    name = str(engine.info().get("spec") or "the model")
+    status = interactive.session(
+        engine,
+        reader,
+        renderer,
+        job.console,
+        job.interrupts,
+        job.stats,
+        chat=job.args.conversation,
+        name=name,
+    )
+    if job.args.stats:
+        job.console.say(job.stats.line(time.perf_counter() - started))
+    if status > 128:
+        reraise_at_exit(status - 128)
+    return status
+
+
+def _events(job: _Job, engine: Engine, records: Iterator[Record | BadRecord]) -> Generator[Event, None, None]:
+    """Every record's events, in input order: through the pipeline, or under mlx.launch through the ranks."""
+    from ..distributed import run as run_ranks
+    from ..pipeline import run
+
+    args, interrupts = job.args, job.interrupts
+    guarded = interrupts.guard(records)
+    ordered = not args.unordered
+    if job.ranks.size > 1:  # under mlx.launch: --batch applies on each rank, to its own share
+        return run_ranks(
+            guarded,
+            engine,
+            job.ranks,
+            interrupts,
+            interrupts.signal_number,
+            batch=args.batch,
+            ordered=ordered,
+        )
+    return run(guarded, engine, interrupts, batch=args.batch, ordered=ordered)
+
+
+def _write(
+    job: _Job, events: Generator[Event, None, None], renderer: Renderer, resume: ResumeFile | None
+) -> int | None:
+    """Render ``events`` (rank 0 writes; every rank counts); an exit status when the run ends early."""
+    from ..distributed import RankLost, RanksDisagree
+
+    args, console, stats = job.args, job.console, job.stats
+    try:
+        for event in events:
+            stats.add(event)
+            if job.ranks.rank == 0:  # under mlx.launch only rank 0 writes; the others count, for the status
+                console.track(event)
+                if isinstance(event, Error):
+                    console.say(event.message())
+                interrupted = isinstance(event, Done) and event.finish_reason == "interrupted"
+                job.cut += interrupted
+                console.mark_cut(event, inline=not renderer.jsonl and renderer.stream)
+                if not (resume is not None and interrupted):  # FILE keeps one done per record: redo it
+                    renderer.write(event)
+            if job.conversation is not None:
+                job.conversation.saw(event)
+            if args.fail_fast and isinstance(event, Error):  # every rank sees every event: all stop here
+                events.close()
+                break
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop generating, say nothing, succeed.
+        events.close()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        return EXIT_OK
+    except OutputError as exc:  # the records written before are whole lines; the rest are not written
+        events.close()
+        console.say(f"mlxpipe: error: {exc}; the records after the last whole line were not written")
+        return EXIT_OUTPUT
+    except RanksDisagree as exc:
+        console.say(
+            f"mlxpipe: error: the ranks of the mlx.launch job read different records ({exc}); every rank "
+            f"needs the same input (and --resume file); the first {stats.records} records were written"
+        )
+        return EXIT_FAILED
+    except RankLost as exc:
+        console.say(
+            f"mlxpipe: error: lost a rank of the mlx.launch job ({exc}); the first {stats.records} "
+            "records were written, the rest were not: run the job again with --resume to finish it"
+        )
+        signum = job.interrupts.signum
+        return 128 + signum if signum is not None else EXIT_FAILED
+    return None
+
+
+def _status(job: _Job) -> int:
+    """The exit status of a run that went to its end or was stopped by a signal (said on stderr)."""
+    args, console, interrupts = job.args, job.console, job.interrupts
     total = total_records(args, console)
     console.close()  # the progress line erased
-    if interrupts.signum and ranks.size == 1:
+    if interrupts.signum and job.ranks.size == 1:
         # Under mlx.launch the launcher, not a shell, reads the status (and rank 0 says nothing more).
-        done = stats.records - cut
+        done = job.stats.records - job.cut
         of = f" of {total}" if total is not None else ""
         how = "" if interrupts.signum == signal.SIGINT else f" by {signal.Signals(interrupts.signum).name}"
         console.say(f"mlxpipe: interrupted{how} after {done}{of} records")
         reraise_at_exit(interrupts.signum)
-    signum = interrupts.signum or ranks.stop_signal
+    signum = interrupts.signum or job.ranks.stop_signal
     if signum:
         return 128 + signum
-    return EXIT_FAILED if stats.failed else EXIT_OK
+    return EXIT_FAILED if job.stats.failed else EXIT_OK
 
 
 def total_records(args: argparse.Namespace, console: Console | None) -> int | None:
