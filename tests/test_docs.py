@@ -125,7 +125,8 @@ def _man_works(tmp_path: Path) -> str | None:
         )
     except OSError as exc:
         return f"man cannot run: {exc}"
-    if r.returncode != 0 or not Path(r.stdout.strip()).is_file():
+    found = r.stdout.strip()
+    if r.returncode != 0 or "\n" in found or len(found) > 1024 or not Path(found).is_file():
         # A minimized system's man is a stub that only says how to restore the manuals.
         said = (r.stdout.strip() or r.stderr.strip()).splitlines()
         return f"man does not find pages from PATH here ({said[0] if said else r.returncode})"

@@ -39,7 +39,10 @@ def _mlx_without_its_library(tmp_path: Path) -> Path:
 
 def _env_without_backend(tmp_path: Path) -> dict[str, str]:
     # mlx has no __init__.py (a namespace package): the first folder on the path with mlx/core wins.
-    return cli_env(PYTHONPATH=os.pathsep.join([str(REPO), str(_mlx_without_its_library(tmp_path))]))
+    # The rest of PYTHONPATH stays after it (where mlxpipe's other dependencies may live, as on the H200).
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    shadow = [str(REPO), str(_mlx_without_its_library(tmp_path))]
+    return cli_env(PYTHONPATH=os.pathsep.join(shadow + rest))
 
 
 def test_mlx_without_a_backend_is_one_line_and_exit_3(tmp_path: Path) -> None:

@@ -527,6 +527,7 @@ def test_bad_arguments_are_usage_errors(args: list[str], message: str) -> None:
         (b"nul \x00 {line}", "is not text (it holds a NUL byte)"),
         (b"x" * (1 << 20) + b"y", "is larger than 1048576 bytes"),
     ],
+    ids=["binary", "nul", "too-large"],  # the test id reaches subprocesses' environment (PYTEST_CURRENT_TEST)
 )
 def test_a_template_file_that_is_not_text_is_a_usage_error(
     tmp_path: Path, content: bytes, message: str
