@@ -1,0 +1,166 @@
+"""mlxpipe's GGUF conversion against llama.cpp (the reference GGUF implementation), on the same files.
+
+For every supported architecture a small random-weight GGUF is written with gguf-py (tests/gguf_factory.py:
+the BPE ones with the embedded SmolLM2's vocabulary and merges, the SentencePiece ones with a vocabulary
+trained here), llama.cpp quantizes it (llama_cpp.llama_model_quantize), and both engines read the same file:
+prompt tokens, greedy continuations (16 tokens), and per-step logits along llama.cpp's greedy path (max abs
+difference at the first step, top-1 agreement over all steps). Needs the `bench` extra (llama-cpp-python);
+not part of the tests.
+
+    python bench/gguf_conformance.py [--types Q4_0,Q4_K_M,...] [--archs llama,qwen2,...] [--out table.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from gguf_factory import ARCHS, CHATML, trained_spm, write_gguf  # noqa: E402
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog",
+    "Numbers 12345 and 3.14159; emoji 🌸 and   spaces",
+    "東京は晴れ、北京欢迎你 — Café naïve",
+    "def f(x):\n    return x * 2  # it's done\n",
+]
+TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0"]
+STEPS = 16
+
+
+def smollm_bpe(pre: str) -> dict[str, Any]:
+    """The embedded SmolLM2's byte-level BPE vocabulary, labelled with the pre-tokenizer ``pre``."""
+    from mlxpipe.models import resolve
+    from mlxpipe.models.gguf.reader import read_header
+
+    path = resolve(None).path
+    assert path is not None
+    md, _ = read_header(path)
+    return {
+        "model": "gpt2", "pre": pre, "tokens": md["tokenizer.ggml.tokens"],
+        "types": md["tokenizer.ggml.token_type"], "merges": md["tokenizer.ggml.merges"],
+        "bos": 1, "eos": 2, "add_bos": False, "template": CHATML,
+    }  # fmt: skip
+
+
+def build(arch: str, folder: Path) -> Path:
+    if arch in ("gemma2", "gemma3", "phi3"):
+        tok = trained_spm(folder / f"{arch}-spm", vocab_size=1000, text=_spm_text())
+        tok.pop("processor")
+        tok["add_bos"] = True
+    else:
+        tok = smollm_bpe({"llama": "llama-bpe", "llama3": "llama-bpe"}.get(arch, "qwen2"))
+    real = "llama" if arch == "llama3" else arch
+    return write_gguf(
+        folder / f"{arch}-F32.gguf", real, tok, hidden=256, layers=6 if real == "gemma3" else 4, heads=4,
+        kv_heads=2, ffn=512, rope_freqs=arch == "llama3", scale=2.0, tied=real != "phi3", seed=7,
+    )  # fmt: skip
+
+
+def _spm_text() -> str:
+    words = Path(__file__).read_text(encoding="utf-8") + "\n".join(PROMPTS)
+    return words * 3
+
+
+def quantize(src: Path, qtype: str) -> Path:
+    import llama_cpp
+
+    if qtype == "F32":
+        return src
+    dst = src.with_name(src.name.replace("-F32", f"-{qtype}"))
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}")
+    params.nthread = 2
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {qtype}")
+    return dst
+
+
+def llama_cpp_run(path: Path, prompt: str) -> tuple[list[int], list[int], np.ndarray]:
+    """llama.cpp: prompt tokens, greedy continuation, and the logits before each continuation token."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False, n_batch=256)
+    add_bos = llm.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true"
+    tokens = llm.tokenize(prompt.encode(), add_bos=add_bos, special=True)
+    llm.eval(tokens)
+    out: list[int] = []
+    logits = []
+    for _ in range(STEPS):
+        row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        logits.append(row)
+        out.append(int(row.argmax()))
+        llm.eval([out[-1]])
+    llm.close()
+    return tokens, out, np.stack(logits)
+
+
+def mlx_run(folder: str, prompt_tokens: list[int], path_tokens: list[int], prompt: str) -> tuple[Any, ...]:
+    """mlx-lm on the converted folder: prompt tokens, greedy continuation, logits along llama.cpp's path."""
+    import mlx.core as mx
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(folder)
+    ours = tokenizer.encode(prompt)
+    seq = mx.array([prompt_tokens + path_tokens[:-1]])
+    logits = np.array(model(seq)[0, len(prompt_tokens) - 1 :].astype(mx.float32))
+    greedy = [
+        r.token for r in mlx_lm.stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=STEPS)
+    ]
+    return ours, greedy, logits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--archs", default=",".join(["llama", "llama3", *ARCHS[1:]]))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    from mlxpipe.models import convert_gguf
+
+    rows = [
+        "| arch | type | GGUF MB | MLX MB | prompt tokens equal | greedy tokens equal (min/16) | "
+        "top-1 agreement | first-step max abs diff (logit range) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in args.archs.split(","):
+            src = build(arch, Path(tmp))
+            for qtype in args.types.split(","):
+                path = quantize(src, qtype)
+                folder = Path(tmp) / f"{path.stem}-mlx"
+                t0 = time.time()
+                convert_gguf(path, folder)
+                convert_s = time.time() - t0
+                same_prompt, worst, agree, total, diff, spread = 0, STEPS, 0, 0, 0.0, 0.0
+                for prompt in PROMPTS:
+                    ptoks, theirs, ref = llama_cpp_run(path, prompt)
+                    ours_p, ours_g, logits = mlx_run(str(folder), ptoks, theirs, prompt)
+                    same_prompt += ours_p == ptoks
+                    worst = min(worst, sum(a == b for a, b in zip(ours_g, theirs, strict=False)))
+                    agree += int((logits.argmax(axis=1) == ref.argmax(axis=1)).sum())
+                    total += len(theirs)
+                    diff = max(diff, float(np.abs(logits[0] - ref[0]).max()))
+                    spread = max(spread, float(ref[0].max() - ref[0].min()))
+                size = sum(f.stat().st_size for f in folder.iterdir()) / 1e6
+                row = (f"| {arch} | {qtype} | {path.stat().st_size / 1e6:.1f} | {size:.1f} | "
+                       f"{same_prompt}/{len(PROMPTS)} | {worst} | {100 * agree / total:.1f}% | "
+                       f"{diff:.3f} ({spread:.1f}) |")  # fmt: skip
+                print(row, f"(converted in {convert_s:.1f} s)", flush=True)
+                rows.append(row)
+    if args.out:
+        args.out.write_text("\n".join(rows) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
