@@ -45,29 +45,41 @@ def write_input(path: Path, records: int, mixed: bool) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def run(cmd: list[str], env: dict[str, str]) -> tuple[float, bytes, float]:
-    """Wall seconds, stdout, and the CPU seconds of the top process alone (the launcher, for mlx.launch)."""
+def run(cmd: list[str], env: dict[str, str]) -> tuple[float, bytes, float, str]:
+    """Wall seconds, stdout, the CPU seconds of the top process alone (the launcher, for mlx.launch), and
+    what the ranks said about their ticks (``MLXPIPE_TICK_STATS``)."""
     started = time.perf_counter()
     env = dict(env)
     cwd = env.pop("CWD", str(REPO))
     env["PYTHONPATH"] = cwd
-    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, cwd=cwd)
-    cpu = 0.0
-    out = b""
-    assert p.stdout is not None
-    while True:
-        chunk = p.stdout.read1(1 << 16)
-        if not chunk:
-            break
-        out += chunk
-        try:
-            with open(f"/proc/{p.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
-            pass
-    p.wait()
-    return time.perf_counter() - started, out, cpu
+    with tempfile.TemporaryFile() as err:
+        p = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, env=env, cwd=cwd
+        )
+        cpu = 0.0
+        out = b""
+        assert p.stdout is not None
+        while True:
+            chunk = p.stdout.read1(1 << 16)
+            if not chunk:
+                break
+            out += chunk
+            try:
+                with open(f"/proc/{p.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, ValueError, IndexError):
+                pass
+        p.wait()
+        err.seek(0)
+        ticks = "; ".join(
+            sorted(
+                line.split("]: ", 1)[0].split()[-1] + ": " + line.split("]: ", 1)[1]
+                for line in err.read().decode(errors="replace").splitlines()
+                if " ticks, " in line
+            )
+        )
+    return time.perf_counter() - started, out, cpu, ticks
 
 
 def main() -> None:
@@ -85,7 +97,7 @@ def main() -> None:
         "--variant", action="append", default=[], help="NAME:KEY=VALUE,...: N ranks, more env"
     )
     args = parser.parse_args()
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", MLXPIPE_TICK_STATS="1")
     mlxpipe = [sys.executable, "-m", "mlxpipe", "--jsonl", "--no-stream", "-n", str(args.max_tokens)]
     mlxpipe += ["--batch", str(args.batch)]
     variants: dict[str, dict[str, str]] = {"ranks": env}
@@ -94,7 +106,7 @@ def main() -> None:
     for spec in args.variant:
         name, _, pairs = spec.partition(":")
         variants[name] = dict(env, **dict(pair.split("=", 1) for pair in pairs.split(",") if pair))
-    results: dict[str, list[tuple[float, bytes, float]]] = {"one": [], **{name: [] for name in variants}}
+    results: dict[str, list[tuple[float, bytes, float, str]]] = {"one": [], **{name: [] for name in variants}}
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "in.jsonl"
         write_input(data, args.records, args.mixed)
@@ -136,6 +148,9 @@ def main() -> None:
             f"| {name}{'' if same else ' (answers differ!)'} | {wall:.1f} | {walls} | "
             f"{one_wall / wall:.2f} | {tokens:.0f} | {decode:.0f} | {prompt:.0f} | {cpu} |"
         )
+    for name, runs in results.items():
+        if runs[-1][3]:
+            print(f"- {name}, last round: {runs[-1][3]}")
 
 
 if __name__ == "__main__":

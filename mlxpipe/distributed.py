@@ -97,6 +97,8 @@ class Ranks:
         self.rank = group.rank() if group is not None else 0
         self.size = group.size() if group is not None else 1
         self.stop_signal = 0  # set by :func:`run` when some rank was interrupted by a signal
+        self.gathers = 0
+        self.gather_seconds = 0.0  # waiting for the slowest rank included
         self._stream: Any = None
 
     @classmethod
@@ -110,6 +112,14 @@ class Ranks:
         """Every rank's ``frame``, in rank order, on every rank (two ``all_gather`` calls)."""
         if self.size == 1:
             return [frame]
+        started = time.perf_counter()
+        try:
+            return self._gather(frame)
+        finally:
+            self.gathers += 1
+            self.gather_seconds += time.perf_counter() - started
+
+    def _gather(self, frame: bytes) -> list[bytes]:
         mx = mlx_core()
         if self._stream is None:
             # A CPU stream of its own (the ring and MPI backends move host memory): mlx runs each stream on
@@ -191,6 +201,7 @@ TICK_SECONDS = _env_number("MLXPIPE_TICK_SECONDS", 0.02)
 # Records a rank holds beyond what it generates at once (1 sequential, --batch N), so that it starts its
 # next record without waiting for a tick; none near the end of the input, where it would unbalance the ranks.
 LOOKAHEAD = int(_env_number("MLXPIPE_LOOKAHEAD", 1))
+TICK_STATS = "MLXPIPE_TICK_STATS"  # set: each rank says on stderr how many ticks it made, and their time
 HOLD = 4  # records read but not yet written, at most HOLD * ranks * depth: then no rank asks for more
 
 
@@ -234,6 +245,12 @@ def run(
         job.close()
         if own is not None:
             own.close()
+        if os.environ.get(TICK_STATS):
+            waiting = ranks.gather_seconds - job.busy_seconds
+            sys.stderr.write(
+                f"mlxpipe[rank {ranks.rank}]: {ranks.gathers} ticks, {job.busy_ticks} while generating "
+                f"({job.busy_seconds:.2f} s in them); {waiting:.2f} s in ticks waiting for work or the end\n"
+            )
 
 
 class _Job:
@@ -276,6 +293,8 @@ class _Job:
         self.ended = False  # the job is over: no more ticks
         self.error: Exception | None = None
         self.last = 0.0
+        self.busy_ticks = 0  # ticks made while generating (at the pipeline's polls), and their time
+        self.busy_seconds = 0.0
 
     # -- hooks for the pipeline
 
@@ -312,7 +331,10 @@ class _Job:
             self.stop, self.stopped = self.signal_number() or 0, True
             self._stop()
         if not self.ended and self.error is None and time.monotonic() - self.last >= TICK_SECONDS:
+            started = time.perf_counter()
             self.tick()
+            self.busy_ticks += 1
+            self.busy_seconds += time.perf_counter() - started
         return self.stopping
 
     def own(self, event: Event) -> None:
