@@ -124,7 +124,8 @@ class Ranks:
         if self._stream is None:
             # A CPU stream of its own (the ring and MPI backends move host memory): mlx runs each stream on
             # its own thread, so the exchange does not queue behind the token being computed meanwhile.
-            self._stream = mx.new_stream(mx.cpu)
+            own = os.environ.get(GATHER_STREAM, "own") != "default"
+            self._stream = mx.new_stream(mx.cpu) if own else mx.cpu
         try:
             lengths = mx.distributed.all_gather(mx.array([len(frame)], mx.int32), stream=self._stream)
             sizes = [int(n) for n in cast("list[int]", lengths.tolist())]
@@ -201,6 +202,7 @@ TICK_SECONDS = _env_number("MLXPIPE_TICK_SECONDS", 0.02)
 # Records a rank holds beyond what it generates at once (1 sequential, --batch N), so that it starts its
 # next record without waiting for a tick; none near the end of the input, where it would unbalance the ranks.
 LOOKAHEAD = int(_env_number("MLXPIPE_LOOKAHEAD", 1))
+GATHER_STREAM = "MLXPIPE_GATHER_STREAM"  # "default": the gather queues behind the token (to measure)
 TICK_STATS = "MLXPIPE_TICK_STATS"  # set: each rank says on stderr how many ticks it made, and their time
 HOLD = 4  # records read but not yet written, at most HOLD * ranks * depth: then no rank asks for more
 
