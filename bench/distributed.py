@@ -1,7 +1,7 @@
 """Records over ranks, one core each as a stand-in for hosts: one process on one core vs ``mlx.launch -n N``.
 
     flock -x /tmp/mlxpipe-cpu.lock python bench/distributed.py [--ranks 2] [--records 16] [--max-tokens 32]
-        [--mixed] [--batch 1] [--rounds 2] [--spinning] [--variant NAME:KEY=VALUE,...]...
+        [--mixed] [--batch 1] [--rounds 2] [--startup] [--spinning] [--variant NAME:KEY=VALUE,...]...
 
 Every run is the real command on the same file (greedy, ``--no-stream`` JSONL, model load included), each
 process pinned with ``taskset -c`` (rank r on core r; the single process on core 0), OpenBLAS at one thread.
@@ -12,6 +12,8 @@ N ranks with more environment (``CWD=DIR`` runs another checkout, e.g. an older 
 per second of wall time, the mean decode and prompt rates of the records (their ``done`` events; with ranks,
 over every rank's records, to compare with one process on one core), the launcher's own CPU seconds, and
 whether the answers equal one process's. ``--mixed`` gives half the records ``max_tokens`` 8 and half 200.
+``--startup`` also times one process and N ranks on an empty input (start-up and model load alone), and prints
+the speed-up past it.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--mixed", action="store_true")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--startup", action="store_true", help="also time both on an empty input")
     parser.add_argument(
         "--spinning", action="store_true", help="also N ranks with the launcher left spinning"
     )
@@ -113,10 +116,16 @@ def main() -> None:
         one = ["taskset", "-c", "0", *mlxpipe, str(data)]
         pinned = f"exec taskset -c $MLX_RANK {' '.join(mlxpipe)} {data}"
         launch = [str(LAUNCH), "-n", str(args.ranks), "--backend", "ring", "--", "sh", "-c", pinned]
+        empty = Path(tmp) / "empty.jsonl"
+        empty.write_text("")
+        starts: dict[str, list[float]] = {"one": [], "ranks": []}
         for _ in range(args.rounds):
             results["one"].append(run(one, env))
             for name, variant in variants.items():
                 results[name].append(run(launch, variant))
+            if args.startup:  # the same commands on an empty file: start-up and model load alone
+                starts["one"].append(run([*one[:-1], str(empty)], env)[0])
+                starts["ranks"].append(run([*launch[:-1], pinned.replace(str(data), str(empty))], env)[0])
 
     def events(out: bytes) -> list[dict[str, object]]:
         return [json.loads(line) for line in out.splitlines() if line.startswith(b"{")]
@@ -147,6 +156,13 @@ def main() -> None:
         print(
             f"| {name}{'' if same else ' (answers differ!)'} | {wall:.1f} | {walls} | "
             f"{one_wall / wall:.2f} | {tokens:.0f} | {decode:.0f} | {prompt:.0f} | {cpu} |"
+        )
+    if args.startup:
+        one_start, ranks_start = (statistics.median(starts[k]) for k in ("one", "ranks"))
+        ranks_wall = statistics.median(r[0] for r in results["ranks"])
+        print(
+            f"- start-up on an empty input (median): one {one_start:.1f} s, ranks {ranks_start:.1f} s; "
+            f"past it, ranks vs one: {(one_wall - one_start) / (ranks_wall - ranks_start):.2f}"
         )
     for name, runs in results.items():
         if runs[-1][3]:
