@@ -302,9 +302,6 @@ class _Job:
 
     def start(self) -> None:
         """The first tick: every rank gets its first records before generating."""
-        if self.should_stop():
-            self.stop, self.stopped = self.signal_number() or 0, True
-            self._stop()
         self._read_ahead()
         self.tick()
         if self.error is not None:
@@ -329,9 +326,7 @@ class _Job:
 
     def poll(self) -> bool:
         """The pipeline's ``should_stop``: once per token (per step under ``--batch``), tick when due."""
-        if not self.stopping and self.should_stop():
-            self.stop, self.stopped = self.signal_number() or 0, True
-            self._stop()
+        self._notice_stop()
         if not self.ended and self.error is None and time.monotonic() - self.last >= TICK_SECONDS:
             started = time.perf_counter()
             self.tick()
@@ -374,7 +369,13 @@ class _Job:
             self.error = exc
             self._stop()
 
+    def _notice_stop(self) -> None:
+        if not self.stopping and self.should_stop():
+            self.stop, self.stopped = self.signal_number() or 0, True
+            self._stop()
+
     def _tick(self, quit: str | None = None) -> None:
+        self._notice_stop()  # before the frame: a signal may also have cut this rank's input short
         finals = [e.index for e in self.outbox if isinstance(e, FINAL_EVENTS)]
         body = {
             "events": [encode_event(e) for e in self.outbox],

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -259,6 +260,42 @@ def test_a_rank_stopped_by_a_signal_stops_every_rank_and_the_output_is_a_prefix(
     asked = sorted(rec.index for engine in engines for rec in engine.history)
     assert len(asked) < 20 and len(set(asked)) == len(asked)
     assert {rk.stop_signal for rk in ranks} == {2}
+
+
+@pytest.mark.usefixtures("clock")
+def test_a_signal_that_cuts_a_rank_s_input_short_is_a_stop_not_a_disagreement() -> None:
+    # A signal while a rank reads ends its input there (Interrupts.guard): that rank's input looks shorter.
+    board = _Board(2)
+    ranks = [ThreadRanks(r, board) for r in range(2)]
+    signalled = threading.Event()
+    out: list[list[Event]] = [[], []]
+    errors: list[BaseException | None] = [None, None]
+
+    def cut(records: list[Record | BadRecord]) -> Iterator[Record | BadRecord]:
+        for record in records:
+            if record.index == 9:
+                signalled.set()
+                return
+            yield record
+
+    def rank_main(r: int) -> None:
+        records = _records(_jsonl(30, prompts=["w " * 3] * 30), jsonl=True)
+        feed = cut(records) if r == 1 else iter(records)
+        stop = signalled.is_set if r == 1 else (lambda: False)
+        try:
+            out[r] = list(distributed.run(feed, TokenEngine(), ranks[r], stop, lambda: 15))
+        except BaseException as exc:
+            errors[r] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert errors == [None, None]
+    assert {rk.stop_signal for rk in ranks} == {15}
+    finals = [e.index for e in out[0] if isinstance(e, FINAL_EVENTS)]
+    assert out[0] == out[1] and finals == list(range(1, len(finals) + 1)) and len(finals) < 9
 
 
 def test_records_skipped_on_every_rank_leave_no_rank_idle() -> None:
