@@ -196,9 +196,10 @@ def _env_number(name: str, default: float) -> float:
         return default
 
 
-# A tick costs two all_gathers (~0.3-1 ms over loopback) and holds every rank until the slowest arrives, so
-# a rank ticks at most this often while it generates. Waiting ranks tick at once.
-TICK_SECONDS = _env_number("MLXPIPE_TICK_SECONDS", 0.02)
+# A tick holds every rank until the last one reaches it (about half a token each, measured), and mlx's ring
+# backend busy-polls its sockets meanwhile, on the core the rank computes on: so a rank that generates ticks
+# at most this often (bench/RESULTS.md, issue 23). Waiting ranks tick at once.
+TICK_SECONDS = _env_number("MLXPIPE_TICK_SECONDS", 0.1)
 # Records a rank holds beyond what it generates at once (1 sequential, --batch N), so that it starts its
 # next record without waiting for a tick; none near the end of the input, where it would unbalance the ranks.
 LOOKAHEAD = int(_env_number("MLXPIPE_LOOKAHEAD", 1))
@@ -248,10 +249,9 @@ def run(
         if own is not None:
             own.close()
         if os.environ.get(TICK_STATS):
-            waiting = ranks.gather_seconds - job.busy_seconds
             sys.stderr.write(
-                f"mlxpipe[rank {ranks.rank}]: {ranks.gathers} ticks, {job.busy_ticks} while generating "
-                f"({job.busy_seconds:.2f} s in them); {waiting:.2f} s in ticks waiting for work or the end\n"
+                f"mlxpipe[rank {ranks.rank}]: {ranks.gathers} ticks ({ranks.gather_seconds:.2f} s in the "
+                f"gathers), {job.busy_ticks} of them while generating ({job.busy_seconds:.2f} s)\n"
             )
 
 
