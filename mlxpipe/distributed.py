@@ -12,18 +12,20 @@ Ticks. The ranks exchange frames in *ticks*: one :meth:`Ranks.gather` (an ``all_
 lengths, then one of the zero-padded frames) that every rank makes, on its main thread (mlx is not used from
 other threads), at the points where it polls for a stop anyway: once per token while generating, once per
 step under ``--batch`` (:func:`mlxpipe.pipeline.run` calls ``should_stop`` there), at most every
-``TICK_SECONDS``; and at once, again and again, while it waits for work or for the job's end, so a waiting
-rank never paces the others. The gather runs on a CPU stream of its own, so it does not wait for the token
-mlx-lm is computing meanwhile. A frame is UTF-8 JSON::
+``TICK_SECONDS`` and every ``TICK_POLLS`` polls (timed: a prefill is one long poll); and at once, again and
+again, while it waits for work or for the job's end, so a waiting rank never paces the others. The gather
+runs on a CPU stream of its own, so it does not wait for the token mlx-lm is computing meanwhile.
+A frame is UTF-8 JSON::
 
     {"events": [...], "at": {"<record number>": position}, "want": int, "eof": int | null,
      "idle": bool, "stopped": bool, "stop": int, "quit": str | null}
 
 ``events``: the rank's chunk and final events since its last tick (:func:`encode_event`), ``at`` their
-records' positions; ``want``: how many more records it asks for (``--batch`` N, or 1, plus ``LOOKAHEAD``
-so that it starts its next record without waiting for a tick, minus what it holds; no lookahead once fewer
-records are left than the ranks could hold, where it would leave a rank idle at the end; 0 while more than
-``HOLD`` * ranks * that depth records are read but not yet written, behind one old record still generating);
+records' positions; ``want``: how many more records it asks for (``--batch`` N, or 1, plus ``LOOKAHEAD``,
+N/4 under ``--batch``, so that it starts its next record without waiting for a tick, minus what it holds;
+no lookahead once fewer records are left than the ranks could hold, where it would leave a rank idle at the
+end; 0 while more than ``HOLD`` * ranks * that depth records are read but not yet written, behind one old
+record still generating);
 ``eof``: the number of records in its input once it has read the end; ``idle``: its own pipeline has
 finished (the end of input, or a stop); ``stopped``/``stop``: a signal stopped it (the signal's number);
 ``quit``: it leaves the job now (``closed`` when its events were closed: ``--fail-fast``, a closed stdout;
@@ -50,8 +52,9 @@ answers a record other than the one rank 0 read at that position, past the end o
 input of another length, or never answers a record handed to it. ``all_gather`` is used rather than
 ``send``/``recv`` because the ring backend only sends to its two neighbours, while a collective reaches every
 rank from any number of hosts. A rank that dies closes its sockets: the next gather fails on the others and
-raises :class:`RankLost`; ``TICK_SECONDS`` and ``LOOKAHEAD`` can be set through ``MLXPIPE_TICK_SECONDS``
-and ``MLXPIPE_LOOKAHEAD`` for measuring (bench/distributed.py).
+raises :class:`RankLost`. ``TICK_SECONDS``, ``TICK_POLLS`` and ``LOOKAHEAD`` can be set through
+``MLXPIPE_TICK_SECONDS``, ``MLXPIPE_TICK_POLLS`` and ``MLXPIPE_LOOKAHEAD``, for measuring
+(bench/distributed.py).
 """
 
 from __future__ import annotations
@@ -196,12 +199,16 @@ def _env_number(name: str, default: float) -> float:
         return default
 
 
-# A tick holds every rank until the last one reaches it (about half a token each, measured), and mlx's ring
-# backend busy-polls its sockets meanwhile, on the core the rank computes on: so a rank that generates ticks
-# at most this often (bench/RESULTS.md, issue 23). Waiting ranks tick at once.
+# A tick holds every rank until the last one reaches it (about half a token, or half a --batch step, each:
+# measured), and mlx's ring backend busy-polls its sockets meanwhile, on the core the rank computes on. So a
+# rank that generates ticks at most every TICK_SECONDS, and at most every TICK_POLLS of its polls (tokens or
+# steps): the ticks then cost a few percent, whatever a token costs (bench/RESULTS.md, issue 23). Waiting
+# ranks tick at once.
 TICK_SECONDS = _env_number("MLXPIPE_TICK_SECONDS", 0.1)
-# Records a rank holds beyond what it generates at once (1 sequential, --batch N), so that it starts its
-# next record without waiting for a tick; none near the end of the input, where it would unbalance the ranks.
+TICK_POLLS = _env_number("MLXPIPE_TICK_POLLS", 8)
+# Records a rank holds beyond what it generates at once (1 sequential, --batch N; N/4 more under --batch,
+# where records end more often between two ticks), so that it starts its next record without waiting for a
+# tick; none near the end of the input, where it would unbalance the ranks.
 LOOKAHEAD = int(_env_number("MLXPIPE_LOOKAHEAD", 1))
 GATHER_STREAM = "MLXPIPE_GATHER_STREAM"  # "default": the gather queues behind the token (to measure)
 TICK_STATS = "MLXPIPE_TICK_STATS"  # set: each rank says on stderr how many ticks it made, and their time
@@ -275,7 +282,7 @@ class _Job:
         self.signal_number = signal_number
         self.batch = batch
         self.capacity = batch  # records this rank generates at once
-        self.lookahead = max(LOOKAHEAD, batch // 8) if LOOKAHEAD > 0 else 0
+        self.lookahead = max(LOOKAHEAD, batch // 4) if LOOKAHEAD > 0 else 0
         self.order = _InputOrder() if ordered else None
         self.ahead: deque[Record | BadRecord] = deque()  # read, not yet handed out
         self.eof: int | None = None  # how many records the input has, once its end was read
@@ -295,6 +302,8 @@ class _Job:
         self.ended = False  # the job is over: no more ticks
         self.error: Exception | None = None
         self.last = 0.0
+        self.polled = 0.0  # when the pipeline last polled
+        self.poll_seconds = 0.0  # between two polls, on average (recent ones weigh more)
         self.busy_ticks = 0  # ticks made while generating (at the pipeline's polls), and their time
         self.busy_seconds = 0.0
 
@@ -327,11 +336,16 @@ class _Job:
     def poll(self) -> bool:
         """The pipeline's ``should_stop``: once per token (per step under ``--batch``), tick when due."""
         self._notice_stop()
-        if not self.ended and self.error is None and time.monotonic() - self.last >= TICK_SECONDS:
-            started = time.perf_counter()
+        now = time.monotonic()
+        if self.polled:  # the time between two polls, ticks left out: a token, or a step under --batch
+            self.poll_seconds += 0.2 * (now - self.polled - self.poll_seconds)
+        self.polled = now
+        every = max(TICK_SECONDS, TICK_POLLS * self.poll_seconds)
+        if not self.ended and self.error is None and now - self.last >= every:
             self.tick()
             self.busy_ticks += 1
-            self.busy_seconds += time.perf_counter() - started
+            self.busy_seconds += time.monotonic() - now
+            self.polled = time.monotonic()
         return self.stopping
 
     def own(self, event: Event) -> None:

@@ -185,6 +185,7 @@ def _jsonl(n: int, bad: int = 0, prompts: list[str] | None = None) -> bytes:
 def clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tick at every poll: with TokenEngine, the ticks are the ranks' shared clock."""
     monkeypatch.setattr(distributed, "TICK_SECONDS", 0.0)
+    monkeypatch.setattr(distributed, "TICK_POLLS", 0.0)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
