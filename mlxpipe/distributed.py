@@ -304,6 +304,7 @@ class _Job:
         self.last = 0.0
         self.polled = 0.0  # when the pipeline last polled
         self.poll_seconds = 0.0  # between two polls, on average (recent ones weigh more)
+        self.progressed = False  # an own event since the last poll
         self.busy_ticks = 0  # ticks made while generating (at the pipeline's polls), and their time
         self.busy_seconds = 0.0
 
@@ -337,11 +338,14 @@ class _Job:
         """The pipeline's ``should_stop``: once per token (per step under ``--batch``), tick when due."""
         self._notice_stop()
         now = time.monotonic()
-        if self.polled:  # the time between two polls, ticks left out: a token, or a step under --batch
+        # Under --batch the pipeline also polls while it waits for a record (nothing in flight, no events
+        # since the last poll): then tick at once, as a waiting rank does.
+        waiting = self.batch > 1 and not self.progressed
+        if self.polled and not waiting:  # the time between two polls, ticks left out: a token, or a step
             self.poll_seconds += 0.2 * (now - self.polled - self.poll_seconds)
-        self.polled = now
+        self.polled, self.progressed = now, False
         every = max(TICK_SECONDS, TICK_POLLS * self.poll_seconds)
-        if not self.ended and self.error is None and now - self.last >= every:
+        if not self.ended and self.error is None and (waiting or now - self.last >= every):
             self.tick()
             self.busy_ticks += 1
             self.busy_seconds += time.monotonic() - now
@@ -351,6 +355,7 @@ class _Job:
     def own(self, event: Event) -> None:
         """An event of this rank's own records: to send at the next tick, and to write in its turn."""
         self.outbox.append(event)
+        self.progressed = True
         if isinstance(event, FINAL_EVENTS):
             self.held -= 1
         self._push(event)
