@@ -78,7 +78,7 @@ def run(cmd: list[str], env: dict[str, str]) -> tuple[float, bytes, float, str]:
             sorted(
                 line.split("]: ", 1)[0].split()[-1] + ": " + line.split("]: ", 1)[1]
                 for line in err.read().decode(errors="replace").splitlines()
-                if " ticks, " in line
+                if " ticks (" in line
             )
         )
     return time.perf_counter() - started, out, cpu, ticks
