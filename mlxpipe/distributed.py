@@ -1,45 +1,73 @@
-"""Records spread over the ranks of an ``mlx.launch`` job; rank 0 writes everything, in input order.
+"""Records spread over the ranks of an ``mlx.launch`` job, handed out on demand; rank 0 writes everything.
 
 This room touches mlx only for transport (``mx.distributed``); generation stays in :mod:`mlxpipe.engine`.
 
-Split: every rank reads the same FILE arguments, so every rank sees the same records in the same order;
-the ``n``-th of them (0-based, bad records included) belongs to rank ``n % size``. Positions, not record
-numbers, so that records skipped on every rank alike (``--resume``) still leave no rank idle. A rank
-answers only its own records, through :func:`mlxpipe.pipeline.run`, so each is generated exactly once.
-Before anything else the ranks compare a digest of the files' contents (:func:`same_input`): a host with a
-different copy would number the records differently, and its answers would land on the wrong records.
-Whatever decides which records are skipped must likewise be the same on every rank: rank 0 can share it
-with :func:`broadcast`.
+Input: every rank reads the same FILE arguments, so every rank sees the same records in the same order and
+can name a record by its *position* (0-based, bad records included; records ``--resume`` skips are not in
+the stream, on any rank). Before anything else the ranks compare a digest of the files' contents
+(:func:`same_input`); what decides which records are skipped must be the same on every rank too (rank 0
+shares it with :func:`broadcast`).
 
-Protocol, in lockstep rounds: in round ``k`` every rank answers its next own record (the one at
-position ``k * size + rank``), then all ranks call :meth:`Ranks.gather` with one frame each:
+Ticks. The ranks exchange frames in *ticks*: one :meth:`Ranks.gather` (an ``all_gather`` of the frames'
+lengths, then one of the zero-padded frames) that every rank makes, on its main thread (mlx is not used from
+other threads), at the points where it polls for a stop anyway: once per token while generating, once per
+step under ``--batch`` (:func:`mlxpipe.pipeline.run` calls ``should_stop`` there), at most every
+``TICK_SECONDS`` and every ``TICK_POLLS`` polls (timed: a prefill is one long poll); and at once, again and
+again, while it waits for work or for the job's end, so a waiting rank never paces the others. The gather
+runs on a CPU stream of its own, so it does not wait for the token mlx-lm is computing meanwhile.
+A frame is UTF-8 JSON::
 
-1. ``all_gather`` of one int32 per rank: the byte length of each rank's frame;
-2. ``all_gather`` of a uint8 buffer as long as the longest frame (shorter frames zero-padded).
+    {"events": [...], "at": {"<record number>": position}, "want": int, "eof": int | null,
+     "idle": bool, "stopped": bool, "stop": int, "quit": str | null}
 
-A frame is UTF-8 JSON ``{"events": [...], "end": bool, "stop": int, "at": int | null}``: the record's
-chunk events and its one final event (see :func:`encode_event`), ``end`` once the rank has no record left,
-``stop`` the signal number that interrupted it (0 if none), and ``at`` the record's position, which rank 0
-checks against its own reading (a mismatch raises :class:`RanksDisagree`).
+``events``: the rank's chunk and final events since its last tick (:func:`encode_event`), ``at`` their
+records' positions; ``want``: how many more records it asks for (``--batch`` N, or 1, plus ``LOOKAHEAD``,
+N/4 under ``--batch``, so that it starts its next record without waiting for a tick, minus what it holds;
+no lookahead once fewer records are left than the ranks could hold, where it would leave a rank idle at the
+end; 0 while more than ``HOLD`` * ranks * that depth records are read but not yet written, behind one old
+record still generating);
+``eof``: the number of records in its input once it has read the end; ``idle``: its own pipeline has
+finished (the end of input, or a stop); ``stopped``/``stop``: a signal stopped it (the signal's number);
+``quit``: it leaves the job now (``closed`` when its events were closed: ``--fail-fast``, a closed stdout;
+otherwise the error it raises).
 
-After the gather every rank holds the round's records in rank order, which is input order, and takes them
-up to the first rank that sent no record: at the end of the input that is where the records run out; when
-a rank was stopped before its next record, the later ranks' records of that round are dropped, so the
-output is always records 1..K, whole and in order, and a rerun with ``--resume`` does the rest. The run
-ends after the round in which every rank says ``end``, or any rank says ``stop``. Rank 0's own record is
-first in every round, so it streams live; the other ranks' records follow when the round's gather returns.
+Assignment. After a tick every rank holds the same frames and applies them alike, so no rank coordinates:
+positions are handed out in input order, ``want`` of them to each rank in rank order. Each rank reads ahead
+of the last position handed out far enough to know whether the input ends within what every rank could take.
+Each record is handed out once, so it is generated once.
 
-``all_gather`` is used rather than ``send``/``recv`` because the ring backend only sends to its two
-neighbours, while a collective reaches rank 0 from any number of hosts. A rank that dies closes its
-sockets: the next gather fails on the others and raises :class:`RankLost`.
+Output. Every rank puts all events back into input order (:class:`mlxpipe.pipeline._InputOrder`): the oldest
+unwritten record's events pass at once (rank 0's own stream live), later ones are held until its turn;
+``--unordered`` passes them as they arrive. Rank 0 writes them; the others only count them, for the exit
+status, and see the same stream. The job ends at the tick in which every rank is ``idle``.
+
+Stop. A rank stopped by a signal ends its records in flight as "interrupted" and says ``stopped``; at that
+tick every other rank does the same, and takes no more records. Records handed out but not started are never
+answered, so every rank's ordered stream stops before the first of them: the output is records 1..K (the last
+ones possibly "interrupted"), and a rerun with ``--resume`` does the rest. A rank that quits ends the
+job at once; a rank that quits with an error is reported by rank 0 as :class:`RankLost`.
+
+Checks. Each rank knows which record every position holds; rank 0 raises :class:`RanksDisagree` when a rank
+answers a record other than the one rank 0 read at that position, past the end of rank 0's input, reports an
+input of another length, or never answers a record handed to it. ``all_gather`` is used rather than
+``send``/``recv`` because the ring backend only sends to its two neighbours, while a collective reaches every
+rank from any number of hosts. A rank that dies closes its sockets: the next gather fails on the others and
+raises :class:`RankLost`. ``TICK_SECONDS``, ``TICK_POLLS`` and ``LOOKAHEAD`` can be set through
+``MLXPIPE_TICK_SECONDS``, ``MLXPIPE_TICK_POLLS`` and ``MLXPIPE_LOOKAHEAD``, for measuring
+(bench/distributed.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import queue
+import sys
+import time
+from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, cast
 
@@ -59,40 +87,6 @@ class RanksDisagree(Exception):
     """Another rank read a different stream of records (another input, another ``--resume`` file)."""
 
 
-class _Ledger:
-    """Rank 0's check that every rank answers the record rank 0 read at that rank's positions.
-
-    Rank 0's reader notes the record number at each position another rank owns; each record gathered
-    from a rank is a claim (position, number), settled once rank 0's reader has passed that position.
-    Only unsettled positions are kept: about one round's worth.
-    """
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.seen: dict[int, int] = {}  # position -> record number, as rank 0 read it
-        self.claims: dict[int, int] = {}  # position -> record number, as its rank answered it
-
-    def settle(self, final: bool) -> None:
-        """Compare what can be compared; at the end, every position must have been both read and answered."""
-        for position, number in list(self.claims.items()):
-            if position in self.seen:
-                read = self.seen.pop(position)
-                del self.claims[position]
-                if read != number:
-                    rank = position % self.size
-                    raise RanksDisagree(
-                        f"rank {rank} answered record {number} where rank 0 read record {read}"
-                    )
-        if final and self.claims:
-            position, number = next(iter(self.claims.items()))
-            raise RanksDisagree(
-                f"rank {position % self.size} answered record {number}, past the end of rank 0's input"
-            )
-        if final and self.seen:
-            position, read = next(iter(self.seen.items()))
-            raise RanksDisagree(f"rank {position % self.size} never answered record {read}")
-
-
 def launched() -> bool:
     """True when some MLX launcher started this process (its rank variables are set)."""
     return any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
@@ -106,6 +100,9 @@ class Ranks:
         self.rank = group.rank() if group is not None else 0
         self.size = group.size() if group is not None else 1
         self.stop_signal = 0  # set by :func:`run` when some rank was interrupted by a signal
+        self.gathers = 0
+        self.gather_seconds = 0.0  # waiting for the slowest rank included
+        self._stream: Any = None
 
     @classmethod
     def init(cls) -> Ranks:
@@ -118,16 +115,28 @@ class Ranks:
         """Every rank's ``frame``, in rank order, on every rank (two ``all_gather`` calls)."""
         if self.size == 1:
             return [frame]
-        mx = mlx_core()
+        started = time.perf_counter()
         try:
-            # The CPU stream: the ring and MPI backends move host memory.
-            lengths = mx.distributed.all_gather(mx.array([len(frame)], mx.int32), stream=mx.cpu)
+            return self._gather(frame)
+        finally:
+            self.gathers += 1
+            self.gather_seconds += time.perf_counter() - started
+
+    def _gather(self, frame: bytes) -> list[bytes]:
+        mx = mlx_core()
+        if self._stream is None:
+            # A CPU stream of its own (the ring and MPI backends move host memory): mlx runs each stream on
+            # its own thread, so the exchange does not queue behind the token being computed meanwhile.
+            own = os.environ.get(GATHER_STREAM, "own") != "default"
+            self._stream = mx.new_stream(mx.cpu) if own else mx.cpu
+        try:
+            lengths = mx.distributed.all_gather(mx.array([len(frame)], mx.int32), stream=self._stream)
             sizes = [int(n) for n in cast("list[int]", lengths.tolist())]
             if not max(sizes):
                 return [b""] * self.size
             padded = frame + bytes(max(sizes) - len(frame))
             # mx.array reads and exposes the buffer protocol; its type stubs do not say so.
-            data = mx.distributed.all_gather(mx.array(cast(Any, memoryview(padded))), stream=mx.cpu)
+            data = mx.distributed.all_gather(mx.array(cast(Any, memoryview(padded))), stream=self._stream)
             mx.eval(data)
         except RuntimeError as exc:
             raise RankLost(str(exc)) from None
@@ -183,9 +192,27 @@ def decode_event(obj: dict[str, Any]) -> Event:
     return _KINDS[fields.pop("kind")](**fields)
 
 
-def _frame(events: list[Event], end: bool, stop: int, at: int | None) -> bytes:
-    body = {"events": [encode_event(e) for e in events], "end": end, "stop": stop, "at": at}
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+def _env_number(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+# A tick holds every rank until the last one reaches it (about half a token, or half a --batch step, each:
+# measured), and mlx's ring backend busy-polls its sockets meanwhile, on the core the rank computes on. So a
+# rank that generates ticks at most every TICK_SECONDS, and at most every TICK_POLLS of its polls (tokens or
+# steps): the ticks then cost a few percent, whatever a token costs (bench/RESULTS.md, issue 23). Waiting
+# ranks tick at once.
+TICK_SECONDS = _env_number("MLXPIPE_TICK_SECONDS", 0.1)
+TICK_POLLS = _env_number("MLXPIPE_TICK_POLLS", 8)
+# Records a rank holds beyond what it generates at once (1 sequential, --batch N; N/4 more under --batch,
+# where records end more often between two ticks), so that it starts its next record without waiting for a
+# tick; none near the end of the input, where it would unbalance the ranks.
+LOOKAHEAD = int(_env_number("MLXPIPE_LOOKAHEAD", 1))
+GATHER_STREAM = "MLXPIPE_GATHER_STREAM"  # "default": the gather queues behind the token (to measure)
+TICK_STATS = "MLXPIPE_TICK_STATS"  # set: each rank says on stderr how many ticks it made, and their time
+HOLD = 4  # records read but not yet written, at most HOLD * ranks * depth: then no rank asks for more
 
 
 def run(
@@ -197,54 +224,317 @@ def run(
     batch: int = 1,
     ordered: bool = True,
 ) -> Generator[Event, None, None]:
-    """Answer this rank's share of ``records``; yield every rank's events, in input order, on every rank.
+    """Answer the records handed to this rank; yield every rank's events, in input order, on every rank.
 
-    ``batch`` and ``ordered`` are :func:`mlxpipe.pipeline.run`'s, applied to this rank's own records.
-    Rank 0 yields its own record's events as they stream, then the other ranks' records of the round.
-    Other ranks yield the same events once each round is gathered (for the exit status; they write
-    nothing). ``signal_number`` names the signal behind ``should_stop``; when any rank was stopped,
-    ``ranks.stop_signal`` holds its number afterwards. Raises :class:`RankLost` when a rank goes away.
+    ``batch`` and ``ordered`` are :func:`mlxpipe.pipeline.run`'s: each rank generates up to ``batch``
+    records at once, and the events of all ranks are put back into input order unless ``ordered`` is
+    false. Rank 0's own records stream live when they are the oldest unwritten one; the others' events
+    arrive at the ticks. Every rank yields the same events (the others count them, for the exit status).
+    ``signal_number`` names the signal behind ``should_stop``; when any rank was stopped,
+    ``ranks.stop_signal`` holds its number afterwards. Raises :class:`RankLost` when a rank goes away, and
+    (rank 0) :class:`RanksDisagree` when a rank answered a record other than the one rank 0 read there.
     """
     from .pipeline import run as run_pipeline
 
-    ledger = _Ledger(ranks.size) if ranks.rank == 0 else None
-    positions: dict[int, int] = {}  # record number -> position, for this rank's records in flight
-
-    def mine() -> Iterator[Record | BadRecord]:
-        for n, record in enumerate(records):
-            if n % ranks.size == ranks.rank:
-                positions[record.index] = n
-                yield record
-            elif ledger is not None:
-                ledger.seen[n] = record.index
-
-    own = run_pipeline(mine(), engine, should_stop, batch=batch, ordered=ordered)
+    job = _Job(records, ranks, should_stop, signal_number, batch, ordered)
+    own: Generator[Event, None, None] | None = None
     try:
-        while True:
-            events: list[Event] = []
-            end, at = True, None
-            for event in own:
-                events.append(event)
-                if ranks.rank == 0:
-                    yield event
-                if isinstance(event, FINAL_EVENTS):
-                    end, at = False, positions.pop(event.index, None)
-                    break
-            stop = (signal_number() or 0) if should_stop() else 0
-            frames = [json.loads(f) for f in ranks.gather(_frame(events, end, stop, at))]
-            for rank, frame in enumerate(frames):
-                finals = [e for e in frame["events"] if e["kind"] in ("done", "error")]
-                if not finals:
-                    break  # a rank without a record ends the round: the output stays a prefix of the input
-                if ledger is not None and rank:
-                    ledger.claims[frame["at"]] = finals[-1]["index"]
-                if rank != 0 or ranks.rank != 0:
-                    yield from (decode_event(e) for e in frame["events"])
-            ranks.stop_signal = next((f["stop"] for f in frames if f["stop"]), 0)
-            last = ranks.stop_signal or all(f["end"] for f in frames)
-            if ledger is not None:
-                ledger.settle(final=bool(last) and not ranks.stop_signal)
-            if last:
-                return
+        job.start()
+        own = run_pipeline(job.mine(), engine, job.poll, batch=batch, ordered=False)
+        for event in own:
+            job.own(event)
+            yield from job.release()
+        job.finished = True
+        while not job.ended and job.error is None:
+            job.tick()
+            yield from job.release()
+        yield from job.release()
+        if job.error is not None:
+            raise job.error
     finally:
-        own.close()
+        job.close()
+        if own is not None:
+            own.close()
+        if os.environ.get(TICK_STATS):
+            sys.stderr.write(
+                f"mlxpipe[rank {ranks.rank}]: {ranks.gathers} ticks ({ranks.gather_seconds:.2f} s in the "
+                f"gathers), {job.busy_ticks} of them while generating ({job.busy_seconds:.2f} s)\n"
+            )
+
+
+class _Job:
+    """One rank's side of the protocol (see the module docstring): what it holds, reads, sends, writes."""
+
+    def __init__(
+        self,
+        records: Iterable[Record | BadRecord],
+        ranks: Ranks,
+        should_stop: ShouldStop,
+        signal_number: Callable[[], int | None],
+        batch: int,
+        ordered: bool,
+    ) -> None:
+        from .pipeline import _InputOrder
+
+        self.records = iter(records)
+        self.ranks = ranks
+        self.should_stop = should_stop
+        self.signal_number = signal_number
+        self.batch = batch
+        self.capacity = batch  # records this rank generates at once
+        self.lookahead = max(LOOKAHEAD, batch // 4) if LOOKAHEAD > 0 else 0
+        self.order = _InputOrder() if ordered else None
+        self.ahead: deque[Record | BadRecord] = deque()  # read, not yet handed out
+        self.eof: int | None = None  # how many records the input has, once its end was read
+        self.frontier = 0  # positions handed out so far
+        self.held = 0  # records handed to this rank and not yet finished
+        self.inbox: deque[Record | BadRecord] = deque()  # handed to this rank, not yet started (sequential)
+        self.feed: queue.Queue[Record | BadRecord | None] = queue.Queue()  # the same under --batch
+        self.fed_all = False
+        self.mine_at: dict[int, int] = {}  # record number -> position, for this rank's records
+        self.expect: dict[int, tuple[int, int]] = {}  # position -> (rank, record number), the others' records
+        self.outbox: list[Event] = []  # own events not yet sent
+        self.ready: deque[Event] = deque()  # events that may be yielded now
+        self.stopping = False
+        self.stop = 0  # the signal that stopped this rank (0: none, or no number)
+        self.stopped = False
+        self.finished = False  # the own pipeline has returned: nothing in flight, nothing to send
+        self.ended = False  # the job is over: no more ticks
+        self.error: Exception | None = None
+        self.last = 0.0
+        self.polled = 0.0  # when the pipeline last polled
+        self.poll_seconds = 0.0  # between two polls, on average (recent ones weigh more)
+        self.progressed = False  # an own event since the last poll
+        self.busy_ticks = 0  # ticks made while generating (at the pipeline's polls), and their time
+        self.busy_seconds = 0.0
+
+    # -- hooks for the pipeline
+
+    def start(self) -> None:
+        """The first tick: every rank gets its first records before generating."""
+        self._read_ahead()
+        self.tick()
+        if self.error is not None:
+            raise self.error
+
+    def mine(self) -> Iterator[Record | BadRecord]:
+        """The records handed to this rank, as the pipeline takes them.
+
+        Sequential, the pipeline asks on the main thread: wait for work there, ticking. Under ``--batch``
+        it reads on a helper thread, which must not touch mlx: it only takes what the ticks put in the feed.
+        """
+        if self.batch > 1:
+            while (item := self.feed.get()) is not None:
+                yield item
+            return
+        while True:
+            while not self.inbox and not self._over() and not self.ended:
+                self.tick()  # waiting for work: tick as soon as the others do
+            if self.stopping or not self.inbox:
+                return
+            yield self.inbox.popleft()
+
+    def poll(self) -> bool:
+        """The pipeline's ``should_stop``: once per token (per step under ``--batch``), tick when due."""
+        self._notice_stop()
+        now = time.monotonic()
+        # Under --batch the pipeline also polls while it waits for a record (nothing in flight, no events
+        # since the last poll): then tick at once, as a waiting rank does.
+        waiting = self.batch > 1 and not self.progressed
+        if self.polled and not waiting:  # the time between two polls, ticks left out: a token, or a step
+            self.poll_seconds += 0.2 * (now - self.polled - self.poll_seconds)
+        self.polled, self.progressed = now, False
+        every = max(TICK_SECONDS, TICK_POLLS * self.poll_seconds)
+        if not self.ended and self.error is None and (waiting or now - self.last >= every):
+            self.tick()
+            self.busy_ticks += 1
+            self.busy_seconds += time.monotonic() - now
+            self.polled = time.monotonic()
+        return self.stopping
+
+    def own(self, event: Event) -> None:
+        """An event of this rank's own records: to send at the next tick, and to write in its turn."""
+        self.outbox.append(event)
+        self.progressed = True
+        if isinstance(event, FINAL_EVENTS):
+            self.held -= 1
+        self._push(event)
+
+    def release(self) -> Iterator[Event]:
+        """The events that may be written now."""
+        while self.ready:
+            yield self.ready.popleft()
+
+    def close(self) -> None:
+        """The job ends here for this rank: tell the others, unless the job ended for all."""
+        self.feed.put(None)  # a helper thread waiting for records goes
+        if self.ended:
+            return
+        exc = sys.exc_info()[1]
+        reason = "closed" if exc is None or isinstance(exc, GeneratorExit) else str(exc) or type(exc).__name__
+        with contextlib.suppress(Exception):
+            self._tick(quit=reason)
+
+    # -- the protocol
+
+    def tick(self) -> None:
+        """One exchange with every rank; an error ends the job here (raised by :func:`run`)."""
+        try:
+            self._tick()
+        except RankLost as exc:
+            self.error, self.ended = exc, True
+            self._stop()
+        except Exception as exc:  # RanksDisagree, a failed read: the others are told as this rank quits
+            self.error = exc
+            self._stop()
+
+    def _notice_stop(self) -> None:
+        if not self.stopping and self.should_stop():
+            self.stop, self.stopped = self.signal_number() or 0, True
+            self._stop()
+
+    def _tick(self, quit: str | None = None) -> None:
+        self._notice_stop()  # before the frame: a signal may also have cut this rank's input short
+        finals = [e.index for e in self.outbox if isinstance(e, FINAL_EVENTS)]
+        body = {
+            "events": [encode_event(e) for e in self.outbox],
+            "at": {str(i): self.mine_at[i] for i in {e.index for e in self.outbox}},
+            "want": self._want(),
+            "eof": self.eof,
+            "idle": self.finished,
+            "stopped": self.stopped,
+            "stop": self.stop,
+            "quit": quit,
+        }
+        frame = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        frames = [json.loads(f) for f in self.ranks.gather(frame)]
+        self.last = time.monotonic()
+        self.outbox = []
+        for index in finals:
+            del self.mine_at[index]
+        if quit is not None:
+            self.ended = True
+            return
+        for rank, f in enumerate(frames):
+            if rank != self.ranks.rank:
+                self._take(rank, f)
+        for rank, f in enumerate(frames):
+            if f["quit"] is not None:  # a rank went (--fail-fast, a closed pipe, an error): so does the job
+                self.ended = True
+                if f["quit"] != "closed" and rank != 0 and self.error is None:
+                    self.error = RankLost(f"rank {rank} failed: {f['quit']}")
+                self._stop()
+                return
+        if any(f["stopped"] for f in frames):
+            self.ranks.stop_signal = next((f["stop"] for f in frames if f["stop"]), 0)
+            self._stop()
+        if self.ranks.rank == 0 and not self.stopping:
+            self._check_ends(frames)
+        if all(f["idle"] for f in frames):
+            self.ended = True
+            if self.ranks.rank == 0 and not self.stopping and self.expect:
+                rank, number = min(self.expect.items())[1]
+                raise RanksDisagree(f"rank {rank} never answered record {number}")
+            return
+        if not self.stopping:
+            self._assign([f["want"] for f in frames])
+            self._read_ahead()
+
+    def _take(self, rank: int, frame: dict[str, Any]) -> None:
+        """Another rank's events: checked against this rank's reading, then put in order."""
+        at = {int(i): p for i, p in frame["at"].items()}
+        for index, position in at.items():
+            if self.expect.get(position) == (rank, index):
+                continue
+            if self.ranks.rank == 0:
+                if position in self.expect:
+                    read = self.expect[position][1]
+                    raise RanksDisagree(f"rank {rank} answered record {index} where rank 0 read {read}")
+                raise RanksDisagree(f"rank {rank} answered record {index}, past the end of rank 0's input")
+            return  # rank 0 stops the job: its reading is the one that counts
+        for obj in frame["events"]:
+            event = decode_event(obj)
+            if isinstance(event, FINAL_EVENTS):
+                del self.expect[at[event.index]]
+            self._push(event)
+
+    def _check_ends(self, frames: list[dict[str, Any]]) -> None:
+        """Rank 0: every rank's input ends where rank 0's does."""
+        for rank, f in enumerate(frames):
+            end = f["eof"]
+            if end is None or end == self.eof:
+                continue
+            if self.eof is not None or self.frontier + len(self.ahead) > end:
+                mine = "after " + str(self.eof) if self.eof is not None else "later"
+                raise RanksDisagree(f"rank {rank}'s input ends after {end} records, rank 0's {mine}")
+
+    def _want(self) -> int:
+        if self.stopping or self._over():
+            return 0
+        depth = self.capacity + self.lookahead
+        if self.order is not None and len(self.order) >= HOLD * self.ranks.size * depth:
+            return 0  # an old record is still generating: do not read further ahead of it
+        near_end = self.eof is not None and self.eof - self.frontier < self.ranks.size * depth
+        return max(0, (self.capacity if near_end else depth) - self.held)
+
+    def _assign(self, wants: list[int]) -> None:
+        """Hand out the next positions, in order, to the ranks in rank order: the same on every rank."""
+        for rank, want in enumerate(wants):
+            for _ in range(want):
+                if not self.ahead:
+                    self._read(1)
+                if not self.ahead:
+                    return
+                record = self.ahead.popleft()
+                position, self.frontier = self.frontier, self.frontier + 1
+                if self.order is not None:
+                    self.order.admit(record.index)
+                if rank != self.ranks.rank:
+                    self.expect[position] = (rank, record.index)
+                    continue
+                self.held += 1
+                self.mine_at[record.index] = position
+                if self.batch > 1:
+                    self.feed.put(record)
+                else:
+                    self.inbox.append(record)
+        if self.batch > 1 and self._over() and not self.fed_all:
+            self.fed_all = True
+            self.feed.put(None)
+
+    def _read_ahead(self) -> None:
+        """Read far enough to know whether the input ends within what every rank could take."""
+        depth = self.capacity + self.lookahead
+        self._read(self.ranks.size * depth + 1 - len(self.ahead))
+        if self.batch > 1 and self._over() and not self.fed_all:
+            self.fed_all = True
+            self.feed.put(None)
+
+    def _read(self, n: int) -> None:
+        for _ in range(n):
+            if self.eof is not None:
+                return
+            try:
+                self.ahead.append(next(self.records))
+            except StopIteration:
+                self.eof = self.frontier + len(self.ahead)
+
+    def _over(self) -> bool:
+        """No record will be handed to this rank any more."""
+        return self.stopping or self.ended or (self.eof is not None and not self.ahead)
+
+    def _stop(self) -> None:
+        """Take no more records; those handed out but not started are left (the output stops before them)."""
+        self.stopping = True
+        self.inbox.clear()
+        if self.batch > 1 and not self.fed_all:
+            self.fed_all = True
+            self.feed.put(None)
+
+    def _push(self, event: Event) -> None:
+        if self.error is not None:
+            return  # the run ends with an error: only whole records before it were written
+        if self.order is None:
+            self.ready.append(event)
+        else:
+            self.ready.extend(self.order.push(event))

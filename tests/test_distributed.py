@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,22 +66,101 @@ class ThreadRanks(distributed.Ranks):
     def gather(self, frame: bytes) -> list[bytes]:
         self.gathers += 1
         self.board.slots[self.rank] = frame
-        self.board.barrier.wait()
-        frames = list(self.board.slots)
-        self.board.barrier.wait()  # nobody overwrites a slot before everyone has read the round
+        try:
+            self.board.barrier.wait()
+            frames = list(self.board.slots)
+            self.board.barrier.wait()  # nobody overwrites a slot before everyone has read the round
+        except threading.BrokenBarrierError:
+            raise distributed.RankLost("a rank went away") from None
         return frames
 
 
-def _job(size: int, data: bytes, stop_rank: int | None = None) -> tuple[list[list[Event]], list[Any]]:
+class TokenEngine(FakeEngine):
+    """Answers a record with its prompt's words, one per token, polling ``should_stop`` once per token as
+    the real engine does. With a tick at every poll (``TICK_SECONDS`` 0) the ticks are a shared clock: the
+    ranks' runs do not depend on the threads' timing. ``--batch``: the same, one word per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = 0
+
+    def generate(self, record: Record, should_stop: Any = lambda: False) -> Any:
+        self.history.append(record)
+        words = (record.prompt or "").split()
+        for n, word in enumerate(words, 1):
+            self.tokens += 1
+            yield Chunk(record.index, record.id, word, n, 100.0)
+            if n < len(words) and should_stop():
+                yield Done(record.index, record.id, "", "interrupted", n, 100.0, 3, 300.0, 1, record.input)
+                return
+        yield Done(
+            record.index, record.id, " ".join(words), "stop", len(words), 100.0, 3, 300.0, 1, record.input
+        )
+
+    def batch(self, size: int) -> Any:
+        return _WordBatch(self)
+
+
+class _WordBatch:
+    def __init__(self, engine: TokenEngine) -> None:
+        self.engine = engine
+        self.slots: dict[int, tuple[Record, list[str]]] = {}
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def add(self, record: Record) -> None:
+        self.engine.history.append(record)
+        self.slots[record.index] = (record, (record.prompt or "").split())
+
+    def step(self) -> list[Chunk | Done]:
+        out: list[Chunk | Done] = []
+        for index, (record, words) in list(self.slots.items()):
+            self.engine.tokens += 1
+            out.append(Chunk(index, record.id, words.pop(0), 1, 1.0))
+            if not words:
+                out.append(Done(index, record.id, "", "stop", 1, 1.0, 1, 1.0, 1, record.input))
+                del self.slots[index]
+        return out
+
+    def interrupt(self) -> list[Chunk | Done]:
+        out: list[Chunk | Done] = [
+            Done(i, r.id, "", "interrupted", 0, 0.0, 1, 1.0, 1, r.input)
+            for i, (r, _) in sorted(self.slots.items())
+        ]
+        self.slots.clear()
+        return out
+
+    def close(self) -> None:
+        self.slots.clear()
+
+
+def _job(
+    size: int,
+    data: bytes | list[bytes],
+    stop: Any = None,
+    batch: int = 1,
+    engine: type[FakeEngine] = FakeEngine,
+) -> tuple[list[list[Event]], list[Any], list[BaseException | None]]:
+    """Run ``distributed.run`` on ``size`` thread ranks; ``data`` per rank or one for all;
+    ``stop(rank, engine)`` is each rank's should_stop. Returns each rank's events, [ranks, engines], and
+    what each rank raised."""
     board = _Board(size)
     ranks = [ThreadRanks(r, board) for r in range(size)]
-    engines = [FakeEngine() for _ in range(size)]
+    engines = [engine() for _ in range(size)]
     out: list[list[Event]] = [[] for _ in range(size)]
+    raised: list[BaseException | None] = [None] * size
+    inputs = data if isinstance(data, list) else [data] * size
 
     def rank_main(r: int) -> None:
-        stopped = r == stop_rank
-        events = distributed.run(_records(data, jsonl=True), engines[r], ranks[r], lambda: stopped, lambda: 2)
-        out[r] = list(events)
+        should_stop = (lambda: stop(r, engines[r])) if stop else (lambda: False)
+        records = _records(inputs[r], jsonl=True)
+        try:
+            for event in distributed.run(records, engines[r], ranks[r], should_stop, lambda: 2, batch=batch):
+                out[r].append(event)
+        except BaseException as exc:
+            raised[r] = exc
+            board.barrier.abort()  # as a rank that exits closes its sockets
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
     for t in threads:
@@ -88,39 +168,135 @@ def _job(size: int, data: bytes, stop_rank: int | None = None) -> tuple[list[lis
     for t in threads:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads)
-    return out, [ranks, engines]
+    return out, [ranks, engines], raised
 
 
-def _jsonl(n: int, bad: int) -> bytes:
+def _jsonl(n: int, bad: int = 0, prompts: list[str] | None = None) -> bytes:
     lines = [
-        json.dumps({"id": f"r{i}", "prompt": f"p{i}"}) if i != bad else '{"id": ' for i in range(1, n + 1)
+        json.dumps({"id": f"r{i}", "prompt": prompts[i - 1] if prompts else f"p{i}"})
+        if i != bad
+        else '{"id": '
+        for i in range(1, n + 1)
     ]
     return ("\n".join(lines) + "\n").encode()
 
 
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tick at every poll: with TokenEngine, the ticks are the ranks' shared clock."""
+    monkeypatch.setattr(distributed, "TICK_SECONDS", 0.0)
+    monkeypatch.setattr(distributed, "TICK_POLLS", 0.0)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_each_record_once_in_input_order_on_every_rank(size: int) -> None:
-    data = _jsonl(7, bad=5)  # 7 records do not divide evenly: the last round is partial
-    out, (ranks, engines) = _job(size, data)
-    alone = list(run(_records(data, jsonl=True), FakeEngine()))
+def test_each_record_once_in_input_order_on_every_rank(size: int, batch: int) -> None:
+    data = _jsonl(7, bad=5)
+    out, (_, engines), raised = _job(size, data, batch=batch, engine=TokenEngine)
+    assert raised == [None] * size
+    alone = list(run(_records(data, jsonl=True), TokenEngine(), batch=batch))
     assert all(events == alone for events in out)  # same events, same order, chunks included
     finals = [e for e in out[0] if isinstance(e, FINAL_EVENTS)]
     assert [e.index for e in finals] == list(range(1, 8))
     assert isinstance(finals[4], Error) and finals[4].line == 5
     asked = sorted(rec.index for engine in engines for rec in engine.history)
     assert asked == [1, 2, 3, 4, 6, 7]  # each good record generated once, on one rank
-    for r, engine in enumerate(engines):  # round-robin by position
-        assert all((rec.index - 1) % size == r for rec in engine.history)
-    # One gather per round on every rank, plus the last one in which rank 0 says it has no record left.
-    assert {rk.gathers for rk in ranks} == {-(-7 // size) + 1}
 
 
-def test_a_rank_stopped_by_a_signal_stops_every_rank_after_its_round() -> None:
-    out, (ranks, engines) = _job(3, _jsonl(9, bad=0), stop_rank=1)
-    assert [rec.index for rec in engines[2].history] == [3]  # rank 2 answered record 3 in round 1, but
-    for events in out:  # rank 1 answered nothing, so only record 1 is written: no hole in the output
-        assert [e.index for e in events if isinstance(e, Done)] == [1]
+@pytest.mark.usefixtures("clock")
+def test_a_long_record_does_not_hold_the_other_ranks() -> None:
+    # Record 1 is long; record 2 waits behind it on rank 0 (handed out ahead); rank 1 answers all the others
+    # meanwhile, and they are written after record 1, in input order.
+    prompts = ["w " * 60] + ["w"] * 11
+    out, (_, engines), raised = _job(2, _jsonl(12, prompts=prompts), engine=TokenEngine)
+    assert raised == [None, None]
+    assert [[rec.index for rec in e.history] for e in engines] == [[1, 2], list(range(3, 13))]
+    for events in out:
+        assert [e.index for e in events if isinstance(e, Done)] == list(range(1, 13))
+
+
+@pytest.mark.usefixtures("clock")
+def test_records_of_mixed_lengths_are_balanced() -> None:
+    # Short and long records taking turns: by position (the old split) rank 0 got every short one and rank 1
+    # every long one. On demand, the ranks' tokens differ by at most about one long record, and the job takes
+    # about half the ticks of one rank doing everything.
+    prompts = ["w " * 2 if i % 2 == 0 else "w " * 40 for i in range(16)]
+    out, (ranks, engines), raised = _job(2, _jsonl(16, prompts=prompts), engine=TokenEngine)
+    assert raised == [None, None]
+    tokens = [e.tokens for e in engines]
+    assert sum(tokens) == 8 * 2 + 8 * 40
+    assert abs(tokens[0] - tokens[1]) <= 40
+    assert ranks[0].gathers < 0.6 * sum(tokens)
+    for events in out:
+        assert [e.index for e in events if isinstance(e, Done)] == list(range(1, 17))
+
+
+def test_a_rank_stopped_at_the_start_stops_every_rank() -> None:
+    out, (ranks, engines), raised = _job(3, _jsonl(9), stop=lambda r, engine: r == 1)
+    assert raised == [None] * 3
+    assert [e.history for e in engines] == [[], [], []]
+    assert out == [[], [], []]
     assert {rk.stop_signal for rk in ranks} == {2}
+
+
+@pytest.mark.usefixtures("clock")
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("stopper", [0, 1])
+def test_a_rank_stopped_by_a_signal_stops_every_rank_and_the_output_is_a_prefix(
+    batch: int, stopper: int
+) -> None:
+    prompts = ["w " * (3 + 5 * (i % 3)) for i in range(20)]
+    out, (ranks, engines), raised = _job(
+        2,
+        _jsonl(20, prompts=prompts),
+        stop=lambda r, engine: r == stopper and engine.tokens >= 12,
+        batch=batch,
+        engine=TokenEngine,
+    )
+    assert raised == [None, None]
+    assert out[0] == out[1]
+    finals = [e for e in out[0] if isinstance(e, FINAL_EVENTS)]
+    assert [e.index for e in finals] == list(range(1, len(finals) + 1))  # records 1..K, each once
+    assert 0 < len(finals) < 20
+    asked = sorted(rec.index for engine in engines for rec in engine.history)
+    assert len(asked) < 20 and len(set(asked)) == len(asked)
+    assert {rk.stop_signal for rk in ranks} == {2}
+
+
+@pytest.mark.usefixtures("clock")
+def test_a_signal_that_cuts_a_rank_s_input_short_is_a_stop_not_a_disagreement() -> None:
+    # A signal while a rank reads ends its input there (Interrupts.guard): that rank's input looks shorter.
+    board = _Board(2)
+    ranks = [ThreadRanks(r, board) for r in range(2)]
+    signalled = threading.Event()
+    out: list[list[Event]] = [[], []]
+    errors: list[BaseException | None] = [None, None]
+
+    def cut(records: list[Record | BadRecord]) -> Iterator[Record | BadRecord]:
+        for record in records:
+            if record.index == 9:
+                signalled.set()
+                return
+            yield record
+
+    def rank_main(r: int) -> None:
+        records = _records(_jsonl(30, prompts=["w " * 3] * 30), jsonl=True)
+        feed = cut(records) if r == 1 else iter(records)
+        stop = signalled.is_set if r == 1 else (lambda: False)
+        try:
+            out[r] = list(distributed.run(feed, TokenEngine(), ranks[r], stop, lambda: 15))
+        except BaseException as exc:
+            errors[r] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert errors == [None, None]
+    assert {rk.stop_signal for rk in ranks} == {15}
+    finals = [e.index for e in out[0] if isinstance(e, FINAL_EVENTS)]
+    assert out[0] == out[1] and finals == list(range(1, len(finals) + 1)) and len(finals) < 9
 
 
 def test_records_skipped_on_every_rank_leave_no_rank_idle() -> None:
@@ -131,7 +307,7 @@ def test_records_skipped_on_every_rank_leave_no_rank_idle() -> None:
     out: list[list[Event]] = [[], []]
 
     def rank_main(r: int) -> None:
-        left = [rec for rec in _records(_jsonl(8, bad=0), jsonl=True) if rec.index % 2 == 0]
+        left = [rec for rec in _records(_jsonl(8), jsonl=True) if rec.index % 2 == 0]
         out[r] = list(distributed.run(left, engines[r], ranks[r], lambda: False, lambda: None))
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
@@ -139,32 +315,65 @@ def test_records_skipped_on_every_rank_leave_no_rank_idle() -> None:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert [e.index for e in out[0] if isinstance(e, Done)] == [2, 4, 6, 8]
-    assert [[rec.index for rec in e.history] for e in engines] == [[2, 6], [4, 8]]
+    assert out[0] == out[1] and [e.index for e in out[0] if isinstance(e, Done)] == [2, 4, 6, 8]
+    assert all(len(e.history) == 2 for e in engines)
 
 
-@pytest.mark.parametrize("skip", [2, 5, 6])
+@pytest.mark.parametrize("skip", [2, 5, 6, 7])
 def test_rank_0_notices_a_rank_that_read_other_records(skip: int) -> None:
     # Rank 1 read a stream without record `skip` (another input, or another --resume file).
+    full = _records(_jsonl(7), jsonl=True)
     board = _Board(2)
     ranks = [ThreadRanks(r, board) for r in range(2)]
-    raised: list[BaseException | None] = [None, None]
+    errors: list[BaseException | None] = [None, None]
 
     def rank_main(r: int) -> None:
-        records = [rec for rec in _records(_jsonl(7, bad=0), jsonl=True) if r == 0 or rec.index != skip]
+        records = [rec for rec in full if r == 0 or rec.index != skip]
         try:
-            list(distributed.run(records, FakeEngine(), ranks[r], lambda: False, lambda: None))
-        except BaseException as exc:
-            raised[r] = exc
-            board.barrier.abort()  # as a rank that exits closes its sockets
+            list(distributed.run(records, TokenEngine(), ranks[r], lambda: False, lambda: None))
+        except BaseException as exc:  # a rank that raises tells the others as it goes: no abort needed
+            errors[r] = exc
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert isinstance(raised[0], distributed.RanksDisagree), raised
-    assert "rank 1" in str(raised[0])
+    assert isinstance(errors[0], distributed.RanksDisagree), errors
+    assert "rank 1" in str(errors[0])
+    assert errors[1] is None  # rank 0 speaks for the job; rank 1 ends quietly
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_closing_the_events_on_one_rank_ends_every_rank(failing: int) -> None:
+    # --fail-fast and a closed stdout close the events on one rank: the others end at the next tick.
+    board = _Board(2)
+    ranks = [ThreadRanks(r, board) for r in range(2)]
+    seen: list[list[int]] = [[], []]
+    errors: list[BaseException | None] = [None, None]
+
+    def rank_main(r: int) -> None:
+        events = distributed.run(
+            _records(_jsonl(12, bad=5), jsonl=True), FakeEngine(), ranks[r], lambda: False, lambda: None
+        )
+        try:
+            for event in events:
+                seen[r].append(event.index)
+                if r == failing and isinstance(event, Error):
+                    events.close()
+                    break
+        except BaseException as exc:
+            errors[r] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == [None, None]
+    assert seen[failing][-1] == 5 and sorted(set(seen[failing])) == [1, 2, 3, 4, 5]
+    assert set(seen[1 - failing]) >= {1, 2, 3, 4}
 
 
 def test_events_survive_the_wire() -> None:
