@@ -154,17 +154,34 @@ def _start(args: argparse.Namespace, console: Console, ranks: Ranks) -> _Started
     return _Started(resume)
 
 
+def _reads_terminal(files: list[str]) -> bool:
+    """Whether the records come from a terminal (stdin, no FILE but "-"): then --batch auto is 1."""
+    if any(f != "-" for f in files):
+        return False
+    try:
+        return os.isatty(0)
+    except OSError:
+        return False
+
+
 def _load(args: argparse.Namespace, console: Console, ranks: Ranks) -> Engine | int:
     """The engine, or the exit status when the run ends here (a model error, ``--model-info``)."""
     from ..engine import Engine  # mlx-lm and transformers: slower still
 
+    auto = args.batch == "auto"
+    interactive = auto and _reads_terminal(args.files)
     try:
         engine = Engine.load(
-            args.model, dtype=args.dtype, batch=args.batch, trust_remote_code=args.trust_remote_code
+            args.model,
+            dtype=args.dtype,
+            batch=(1 if interactive else 2) if auto else args.batch,  # the dtype depends on batching or not
+            trust_remote_code=args.trust_remote_code,
         )
     except ModelError as exc:
         console.say(f"mlxpipe: error: {exc}")
         return EXIT_MODEL
+    if auto:
+        args.batch = engine.auto_batch(args.max_tokens, interactive)
     if args.model_info:
         if ranks.rank == 0:
             try:
@@ -204,6 +221,8 @@ def _run(
         engine = _load(args, console, ranks)
         if isinstance(engine, int):
             return engine
+        choice = engine.batch_choice
+        stats.batch = f"batch {args.batch}" + (f" (auto: {choice['reason']})" if choice else "")
         jsonl_out = args.out_format == "jsonl"
         renderer = Renderer(
             resume.out if resume is not None and resume.out is not None else raw_stdout(),
