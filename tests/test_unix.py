@@ -331,7 +331,7 @@ def test_ctrl_c_taken_by_another_thread_while_answering_still_ends_the_run() -> 
 
 @pytest.mark.model
 def test_sigterm_ends_the_record_with_a_done_line_and_exit_143() -> None:
-    p = start_cli(["--jsonl", "-n", "200"])
+    p = start_cli(["--jsonl", "-n", "200", "--batch", "1"])
     assert p.stdin and p.stdout and p.stderr
     p.stdin.write(b'"Write a long story about a dragon."\n"Second."\n')
     p.stdin.close()
