@@ -17,10 +17,11 @@ import os
 import stat
 import sys
 
+from .switches import turned_off
+
 __all__ = ["ENV", "calm"]
 
 ENV = "MLXPIPE_CALM_LAUNCHER"
-_OFF = frozenset({"off", "0", "no", "false", "none"})
 
 _PIPE_FILL = 1 << 16  # bytes written at a time until the pipe is full (Linux pipes hold 64 KiB by default)
 _LAUNCHER_NICE = 19
@@ -32,7 +33,7 @@ def calm() -> list[str]:
 
     Returns what was done, for ``--model-info``-style reports; never raises.
     """
-    if sys.platform != "linux" or os.environ.get(ENV, "").strip().lower() in _OFF:
+    if sys.platform != "linux" or turned_off(ENV):
         return []
     done = []
     if _fill_stdin():

@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import first_line
+from ..switches import OFF, setting
 from . import gemv
-from .switches import OFF, setting
 
 __all__ = ["ENV", "BlasChoice", "choose", "setup", "slow_paths", "threads", "use_threads"]
 

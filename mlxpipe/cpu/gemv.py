@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import first_line
 from ..paths import cache_dir
-from .switches import setting, turned_off
+from ..switches import setting, turned_off
 
 __all__ = ["ENV", "NO_COMPILER", "attach", "detach", "install", "quantized_available", "quantized_calls"]
 

@@ -27,7 +27,7 @@ from mlx.nn.layers.base import Module
 from mlx.nn.layers.normalization import RMSNorm
 from mlx.nn.layers.positional_encoding import RoPE
 
-from .switches import turned_off
+from ..switches import turned_off
 
 ENV = "MLXPIPE_CPU_FAST"
 KINDS = ("rms_norm", "rope", "swiglu", "eval_per_layer")

@@ -1,4 +1,5 @@
-"""The environment variables that turn the CPU paths off: MLXPIPE_BLAS, MLXPIPE_GEMV, MLXPIPE_CPU_FAST."""
+"""The environment variables that turn something off (MLXPIPE_BLAS, MLXPIPE_GEMV, MLXPIPE_CPU_FAST,
+MLXPIPE_CALM_LAUNCHER): one reading of "off" for all."""
 
 from __future__ import annotations
 
