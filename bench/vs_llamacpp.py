@@ -13,20 +13,25 @@ then llama.cpp's, and again): the ratios are the median of the rounds' ratios, e
 conditions (this CPU's speed drifts from minute to minute). Batched: mlxpipe's ``--batch`` path
 (``mlxpipe.run(batch=N)``) when this checkout has it, else mlx-lm's ``batch_generate`` on the same loaded
 model (said in the output);
-aggregate = all generated tokens / wall time. llama.cpp is compared by its single stream (llama-cpp-python
-has no batched generation API). Installs nothing: llama.cpp is measured only when ``llama_cpp`` imports
+aggregate = all generated tokens / wall time. llama.cpp batches too: its own batched decoding through
+llama-cpp-python's low-level API (one ``llama_batch`` holding a token of each of the N sequences, one
+``llama_decode`` a step, greedy per sequence, prompts read first) gives the honest anchor for ``--batch``; its
+decode aggregate (tokens after each sequence's first over the decode steps' time) and end-to-end aggregate
+(all tokens over the whole time, prompts included) print beside mlxpipe's, the two taking turns for
+``--rounds``. Installs nothing: llama.cpp is measured only when ``llama_cpp`` imports
 (``pip install -e '.[bench]'``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +87,31 @@ def summarize(name: str, runs: list[Run]) -> dict[str, float]:
 
 Runner = Callable[[list[list[int]]], list[Run]]
 
+# llama.cpp's "extra buffer types" (AMX, CPU repacking) are off unless LLAMACPP_EXTRA_BUFTS=1: a build with
+# -march=native repacks Q4_1 for AMX, whose kernels die with SIGILL on this VM's worker threads.
+EXTRA_BUFTS = os.environ.get("LLAMACPP_EXTRA_BUFTS", "0") == "1"
+
+
+@contextlib.contextmanager
+def _model_params() -> Iterator[None]:
+    """llama.cpp's default model parameters with ``use_extra_bufts`` set to :data:`EXTRA_BUFTS` meanwhile."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        if hasattr(p, "use_extra_bufts"):
+            p.use_extra_bufts = EXTRA_BUFTS
+        return p
+
+    llama_cpp.llama_model_default_params = low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        llama_cpp.llama_model_default_params = low.llama_model_default_params = default
+
 
 def llamacpp_runner(path: str, max_tokens: int, threads: int, warmup: list[int]) -> Runner | None:
     """Load llama.cpp once and warm it up (None when ``llama_cpp`` does not import); the function that runs
@@ -91,9 +121,10 @@ def llamacpp_runner(path: str, max_tokens: int, threads: int, warmup: list[int])
     except ImportError:
         print("llama.cpp: llama_cpp is not importable (pip install -e '.[bench]'); skipped", flush=True)
         return None
-    llm = Llama(
-        model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False, seed=0
-    )
+    with _model_params():
+        llm = Llama(
+            model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False, seed=0
+        )
     eos = llm.token_eos()
 
     def one(tokens: list[int]) -> Run:
@@ -114,6 +145,74 @@ def llamacpp_runner(path: str, max_tokens: int, threads: int, warmup: list[int])
 
     one(warmup)
     return lambda prompts: [one(p) for p in prompts]
+
+
+def llamacpp_batched(
+    path: str, threads: int
+) -> Callable[[list[list[int]], int], tuple[float, float, int]] | None:
+    """llama.cpp's own batched greedy decoding (None when ``llama_cpp`` does not import): a function of the
+    prompts and max tokens giving (decode aggregate tok/s, end-to-end aggregate tok/s, tokens)."""
+    try:
+        import llama_cpp as lc
+        import numpy as np
+    except ImportError:
+        return None
+    lc.llama_backend_init()
+    with _model_params():
+        model = lc.llama_model_load_from_file(path.encode(), lc.llama_model_default_params())
+    vocab = lc.llama_model_get_vocab(model)
+    n_vocab = lc.llama_vocab_n_tokens(vocab)
+
+    def run(prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int]:
+        n = len(prompts)
+        params = lc.llama_context_default_params()
+        params.n_ctx = sum(len(p) + max_tokens for p in prompts) + 64
+        params.n_batch = max(max(len(p) for p in prompts), n)
+        params.n_ubatch = params.n_batch
+        params.n_seq_max = n
+        params.kv_unified = True  # one cache for all sequences, as many-record jobs have
+        params.n_threads = params.n_threads_batch = threads
+        ctx = lc.llama_init_from_model(model, params)
+        batch = lc.llama_batch_init(params.n_batch, 0, 1)
+
+        def decode(items: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, logits)
+            batch.n_tokens = len(items)
+            for i, (tok, pos, seq, logits) in enumerate(items):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = seq, logits
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+
+        def greedy(i: int) -> int:
+            return int(np.argmax(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,))))
+
+        start = time.perf_counter()
+        nxt, pos, made = [0] * n, [len(p) for p in prompts], [0] * n
+        for s, p in enumerate(prompts):  # prompts first, one sequence a call (as mlx-lm prefills)
+            decode([(tok, j, s, j == len(p) - 1) for j, tok in enumerate(p)])
+            nxt[s] = greedy(len(p) - 1)
+        first = time.perf_counter()
+        made = [0 if lc.llama_vocab_is_eog(vocab, t) else 1 for t in nxt]
+        live = [s for s in range(n) if 0 < made[s] < max_tokens]
+        while live:
+            decode([(nxt[s], pos[s], s, True) for s in live])
+            still = []
+            for i, s in enumerate(live):
+                pos[s] += 1
+                nxt[s] = greedy(i)
+                if made[s] < max_tokens and not lc.llama_vocab_is_eog(vocab, nxt[s]):
+                    made[s] += 1
+                    if made[s] < max_tokens:
+                        still.append(s)
+            live = still
+        end = time.perf_counter()
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        tokens = sum(made)
+        return (tokens - n) / max(end - first, 1e-9), tokens / (end - start), tokens
+
+    run([[1, 2, 3, 4]] * 2, 4)  # warm-up: the first decodes of a process start llama.cpp's threads
+    return run
 
 
 def mlxpipe_single(engine: Any, records: list[Any]) -> list[Run]:
@@ -228,10 +327,20 @@ def main() -> int:
                 print(f"  differ at character {at}: mlxpipe {x[at : at + 30]!r}")
                 print(f"  {'':>{len(str(at)) + 21}}llama.cpp {y[at : at + 30]!r}")
     batched: dict[int, float] = {}
+    anchor: dict[int, list[tuple[float, float]]] = {}
+    llama_batch = llamacpp_batched(str(gguf), args.threads) if llamacpp else None
     for size in sizes:
-        how, tps, n, ttft = mlxpipe_batched(engine, records[:size], size)
-        batched[size] = tps
-        print(f"{how:<34} aggregate {tps:7.1f} tok/s ({n} tokens), median ttft {ttft * 1000:.0f} ms")
+        for _ in range(args.rounds if llama_batch else 1):  # taking turns, as the single streams do
+            how, tps, n, ttft = mlxpipe_batched(engine, records[:size], size)
+            batched[size] = max(batched.get(size, 0.0), tps)
+            print(f"{how:<34} aggregate {tps:7.1f} tok/s ({n} tokens), median ttft {ttft * 1000:.0f} ms")
+            if llama_batch:
+                decode_tps, whole_tps, m = llama_batch(tokens[:size], args.max_tokens)
+                anchor.setdefault(size, []).append((tps / decode_tps, tps / whole_tps))
+                print(
+                    f"{f'llama.cpp batched x{size}':<34} decode {decode_tps:7.1f} tok/s, end to end "
+                    f"{whole_tps:7.1f} tok/s ({m} tokens)"
+                )
 
     print()
     measured = [(ours, base) for ours, base in rounds if base]
@@ -249,6 +358,13 @@ def main() -> int:
             print(
                 f"batched aggregate (--batch {size}) / llama.cpp single decode (median of the rounds) = "
                 f"{tps / decode:.2f}x (goal >= 2); / its end to end = {tps / whole:.2f}x"
+            )
+        for size, pairs in anchor.items():
+            dec = statistics.median(a for a, _ in pairs)
+            whole = statistics.median(b for _, b in pairs)
+            print(
+                f"--batch {size} aggregate / llama.cpp batched x{size}: {dec:.2f}x its decode aggregate, "
+                f"{whole:.2f}x its end to end (median of {len(pairs)} rounds; goal >= 1.5)"
             )
     else:
         print("no llama.cpp baseline: ratios not computed")
