@@ -255,3 +255,60 @@ def test_the_embedded_models_one_row_products_read_its_quantized_weights(engine:
     assert gemv.quantized_calls() - before == 211  # none while detached
     assert mx.allclose(quantized, plain, rtol=1e-4, atol=1e-4).item()
     assert mx.argmax(quantized).item() == mx.argmax(plain).item()
+
+
+def test_quantized_products_of_several_rows_match_numpy(openblas: Any) -> None:
+    shim = ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL)  # a copy of its own: its table starts empty
+    if not shim.mlxpipe_qgemv_available():
+        pytest.skip("the quantized kernels need AVX-512")
+    assert shim.mlxpipe_gemv_init(
+        ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
+    )
+    shim.mlxpipe_qgemm_calls.restype = ctypes.c_long
+    ptr = ctypes.c_void_p
+    rng = np.random.default_rng(13)
+
+    def product(w: np.ndarray, x: np.ndarray, alpha: float) -> tuple[np.ndarray, bool]:
+        """alpha x w^T through the shim (c wider than n); whether the quantized kernels computed it."""
+        (n, k), m = w.shape, x.shape[0]
+        c = np.full((m, n + 3), 7.0, np.float32)
+        before = shim.mlxpipe_qgemm_calls()
+        shim.cblas_sgemm(
+            ROW_MAJOR, NO_TRANS, TRANS, m, n, k, ctypes.c_float(alpha), ptr(x.ctypes.data), x.strides[0] // 4,
+            ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(c.ctypes.data), n + 3,
+        )  # fmt: skip
+        assert (c[:, n:] == 7.0).all()  # nothing written past each row
+        return c[:, :n], bool(shim.mlxpipe_qgemm_calls() == before + 1)
+
+    shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (576, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
+    for (n, k, bits, group), threads in itertools.product(shapes, [1, 2]):
+        shim.mlxpipe_qgemm_threads(threads)
+        w, packed, scales, biases = _quantized(rng, n, k, bits, group)
+        assert shim.mlxpipe_qgemv_register(
+            ptr(w.ctypes.data), n, k, bits, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
+            ptr(biases.ctypes.data),
+        )  # fmt: skip
+        for m in [2, 3, 8, 9, 17, 64]:  # blocks of 8 rows and what is left over
+            x = rng.standard_normal((m, k + 5)).astype(np.float32)[:, :k]  # a row stride other than k
+            want = 0.5 * (x.astype(np.float64) @ w.T.astype(np.float64))
+            c, quantized = product(w, x, 0.5)
+            assert quantized, (n, k, bits, m)
+            np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        # A row's sums are those the one-row kernel gives it alone, to the last bit (--batch 1's numbers).
+        x = rng.standard_normal((9, k)).astype(np.float32)
+        together, _ = product(w, x, 1.0)
+        for i in (0, 8):
+            alone = np.zeros(n, np.float32)
+            shim.cblas_sgemm(
+                ROW_MAJOR, NO_TRANS, TRANS, 1, n, k, ctypes.c_float(1.0), ptr(x[i:].ctypes.data), k,
+                ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(alone.ctypes.data), n,
+            )  # fmt: skip
+            assert (alone == together[i]).all()
+    shim.mlxpipe_qgemm_max_rows(8)  # more rows than that: the BLAS, on the float32 copy
+    c, quantized = product(w, x, 1.0)
+    assert not quantized
+    np.testing.assert_allclose(c, x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4 * np.abs(c).max())
+    shim.mlxpipe_qgemm_max_rows(0)  # MLXPIPE_QGEMM=off: one-row products only
+    c, quantized = product(w, x[:2], 1.0)
+    assert not quantized
+    np.testing.assert_allclose(c, x[:2].astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4 * np.abs(c).max())

@@ -259,13 +259,15 @@ def default_threads(batch: int | None = None) -> int | None:
 
 
 def use_threads(batch: int) -> None:
-    """Set the loaded OpenBLAS's threads for ``batch`` records decoding together (:func:`default_threads`)."""
+    """Set the loaded OpenBLAS's threads for ``batch`` records decoding together (:func:`default_threads`),
+    and the quantized kernels' (:func:`.gemv.use_threads`) to as many, at most 2."""
     if _library is None:
         return
     threads = default_threads(batch) or _library_threads
     if threads:
         with contextlib.suppress(AttributeError):
             _library.openblas_set_num_threads(ctypes.c_int(threads))
+    gemv.use_threads(min(threads or 1, 2))  # the quantized kernels: the caller and at most one helper
 
 
 def threads() -> int | None:

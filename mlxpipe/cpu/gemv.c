@@ -9,11 +9,18 @@
  *
  * A weight matrix can also be registered with its quantized form (mlx's affine 4- or 8-bit layout, the one
  * a GGUF loads as): a one-row product by that matrix then reads the quantized bytes instead of the float32
- * ones, 5-8x fewer, and computes the same sums (scale * q + bias, summed in another order).
+ * ones, 5-8x fewer, and computes the same sums (scale * q + bias, summed in another order). So does a
+ * product of up to 64 rows (a --batch decode step, a short prompt), each row summed exactly as alone.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdatomic.h>
+#include <pthread.h>
+#include <unistd.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -48,6 +55,10 @@ enum { TABLE = 4096 }; /* open addressing, power of two, far more than the matri
 static qmat table[TABLE];
 static int registered;
 static long qgemv_calls;
+static int qgemm_max_rows = 64; /* products of more rows (long prompts) go to the BLAS */
+
+/* Sets the most rows a product may have for the quantized kernels (0: one-row products only). */
+void mlxpipe_qgemm_max_rows(int rows) { qgemm_max_rows = rows; }
 
 static unsigned slot_of(const float *w) { return (unsigned)(((uintptr_t)w >> 6) * 2654435761u) & (TABLE - 1); }
 
@@ -189,6 +200,93 @@ __attribute__((target("avx512f,avx512bw,fma"))) static void rows8_avx512(const q
     else rows8_group(m, m->group, x, xsum, r0, r1, y);
 }
 
+
+/* ---- quantized products of several rows (--batch) ----------------------------------------------------
+ * C (M x n) = A (M x k) W^T from the quantized bytes, M > 1: each row of W is decoded once for a block of MB
+ * rows of A, and every row of A gets the very sums the one-row kernels above compute for it alone (same
+ * weights, same operations in the same order): a record's logits do not depend on how many records share
+ * its step, nor on the float32 matrix (5-8x the bytes), which is never read. */
+enum { MB = 8, CHUNK = 256 * 1024 }; /* rows of A a block; bytes of W a pass over A stays in L2 for */
+
+/* 4 bits: a row of A in the scratch is its k / 2 even columns, then its odd ones (xe, xo of qgemv). */
+__attribute__((target("avx512f,avx512bw,fma"), always_inline)) static inline void
+block4(const qmat *m, int group, const float *x, int rows, int r, float *c, int ldc) {
+    int groups = m->k / group, half = group / 2, k = m->k, k2 = k / 2;
+    const uint8_t *q0 = m->q + (long)r * (k / 2);
+    const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 lo[MB], hi[MB];
+    _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) lo[i] = hi[i] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m512 v = _mm512_fmadd_ps(iota, _mm512_set1_ps(s0[g]), _mm512_set1_ps(b0[g]));
+        if ((g & 3) == 0) _mm_prefetch((const char *)(q0 + g * half) + PREFETCH, _MM_HINT_T0);
+        for (int j = g * half; j < g * half + half; j += 16) {
+            __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q0 + j)));
+            __m512 wl = _mm512_permutexvar_ps(w, v), wh = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), v);
+            _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) {
+                lo[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (long)i * k + j), wl, lo[i]);
+                hi[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (long)i * k + k2 + j), wh, hi[i]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) c[(long)i * ldc + r] =
+        _mm512_reduce_add_ps(_mm512_add_ps(lo[i], hi[i]));
+}
+
+/* 8 bits: scale * (q . x) + bias * sum(x) per group, as rows8; xsum holds each row's group sums. */
+__attribute__((target("avx512f,avx512bw,fma"), always_inline)) static inline void
+block8(const qmat *m, int group, const float *x, const float *xsum, int rows, int r, float *c, int ldc) {
+    int groups = m->k / group, k = m->k;
+    const uint8_t *q0 = m->q + (long)r * k;
+    const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
+    __m512 sum[MB];
+    float bias[MB];
+    _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) sum[i] = _mm512_setzero_ps(), bias[i] = 0;
+    for (int g = 0; g < groups; g++) {
+        __m512 v[MB];
+        _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) v[i] = _mm512_setzero_ps();
+        for (int j = g * group; j < g * group + group; j += 16) {
+            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q0 + j))));
+            _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) v[i] =
+                _mm512_fmadd_ps(_mm512_loadu_ps(x + (long)i * k + j), w, v[i]);
+        }
+        if ((g & 1) == 0) _mm_prefetch((const char *)(q0 + g * group) + PREFETCH, _MM_HINT_T0);
+        __m512 sc = _mm512_set1_ps(s0[g]);
+        _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) {
+            sum[i] = _mm512_fmadd_ps(v[i], sc, sum[i]);
+            bias[i] += b0[g] * xsum[(long)i * groups + g];
+        }
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) c[(long)i * ldc + r] =
+        _mm512_reduce_add_ps(sum[i]) + bias[i];
+}
+
+/* Rows [r0, r1) of W against `rows` <= MB rows of A; `group` a constant where inlined. */
+#define BLOCKS(rows_)                                                                                         \
+    for (int r = r0; r < r1; r++)                                                                             \
+        if (m->bits == 4) block4(m, group, x, rows_, r, c, ldc);                                              \
+        else block8(m, group, x, xsum, rows_, r, c, ldc)
+
+__attribute__((target("avx512f,avx512bw,fma"), always_inline)) static inline void
+span_group(const qmat *m, int group, const float *x, const float *xsum, int rows, int r0, int r1, float *c,
+           int ldc) {
+    switch (rows) { /* a constant count of rows: their sums stay in registers */
+    case 8: BLOCKS(8); break;
+    case 7: BLOCKS(7); break;
+    case 6: BLOCKS(6); break;
+    case 5: BLOCKS(5); break;
+    case 4: BLOCKS(4); break;
+    case 3: BLOCKS(3); break;
+    case 2: BLOCKS(2); break;
+    default: BLOCKS(1); break;
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,fma"))) static void span(const qmat *m, const float *x, const float *xsum,
+                                                                  int rows, int r0, int r1, float *c, int ldc) {
+    if (m->group == 32) span_group(m, 32, x, xsum, rows, r0, r1, c, ldc);
+    else span_group(m, m->group, x, xsum, rows, r0, r1, c, ldc);
+}
 #endif
 
 /* Whether this machine has the kernels above: only then is registering worth it. */
@@ -239,6 +337,176 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
     return 1;
 }
 
+static long qgemm_calls;
+long mlxpipe_qgemm_calls(void) { return qgemm_calls; }
+
+#ifdef X86_AVX512
+/* Rows [r0, r1) of c: every block of MB rows of A against that stretch of W (kept in L2 meanwhile). */
+static int qgemm_rows(const qmat *m, int M, const float *a, int lda, float *c, int ldc, int r0, int r1) {
+    static __thread float *scratch;
+    static __thread long scratch_len;
+    int k = m->k, k2 = k / 2, group = m->group, groups = k / group;
+    long need = (long)MB * (k + groups);
+    if (need > scratch_len) {
+        float *grown = realloc(scratch, need * sizeof(float));
+        if (!grown) return 0;
+        scratch = grown;
+        scratch_len = need;
+    }
+    float *xsum = scratch + (long)MB * k;
+    for (int i0 = 0; i0 < M; i0 += MB) {
+        int rows = M - i0 < MB ? M - i0 : MB;
+        for (int i = 0; i < rows; i++) { /* each row as qgemv prepares it */
+            const float *src = a + (long)(i0 + i) * lda;
+            float *dst = scratch + (long)i * k;
+            if (m->bits == 4)
+                for (int j = 0; j < k2; j++) dst[j] = src[2 * j], dst[k2 + j] = src[2 * j + 1];
+            else {
+                memcpy(dst, src, k * sizeof(float));
+                for (int g = 0; g < groups; g++) {
+                    float t = 0;
+                    for (int j = 0; j < group; j++) t += src[g * group + j];
+                    xsum[(long)i * groups + g] = t;
+                }
+            }
+        }
+        span(m, scratch, xsum, rows, r0, r1, c + (long)i0 * ldc, ldc);
+    }
+    return 1;
+}
+
+/* One helper thread shares large products: both threads take stretches of W from a counter, so the caller
+ * never waits for a helper that has not started (beside a busy process it may not get a core), only for a
+ * stretch the helper has taken. The helper sleeps on a futex between products: it never spins. */
+typedef struct {
+    const qmat *m;
+    const float *a;
+    float *c;
+    int M, lda, ldc, stretch, stretches;
+    atomic_int next, done, failed, sleeping;
+} job_t;
+
+static job_t job;
+static atomic_int job_gen, job_busy, helper_state; /* helper_state: 0 none, 1 running, -1 could not start */
+static int qgemm_threads = 1;
+
+void mlxpipe_qgemm_threads(int threads) { qgemm_threads = threads; }
+
+static void futex(atomic_int *word, int op, int value) { syscall(SYS_futex, word, op, value, NULL, NULL, 0); }
+
+static void futex_wait_ms(atomic_int *word, int value, int ms) {
+    struct timespec t = {0, ms * 1000000L};
+    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, value, &t, NULL, 0);
+}
+
+/* Takes stretches until none is left; how many it computed. */
+static int work(job_t *j) {
+    int count = 0;
+    for (int s; (s = atomic_fetch_add(&j->next, 1)) < j->stretches; count++) {
+        int r0 = s * j->stretch, r1 = r0 + j->stretch < j->m->n ? r0 + j->stretch : j->m->n;
+        if (!qgemm_rows(j->m, j->M, j->a, j->lda, j->c, j->ldc, r0, r1)) atomic_store(&j->failed, 1);
+        atomic_fetch_add(&j->done, 1);
+        if (atomic_load(&j->sleeping)) futex(&j->done, FUTEX_WAKE_PRIVATE, 1);
+    }
+    return count;
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+enum { ALONE = 256 }; /* products computed without the helper after it was found slow (a decode step: 211) */
+static int alone_for;
+
+static void *helper(void *unused) {
+    (void)unused;
+    for (int seen = atomic_load(&job_gen);;) {
+        while (atomic_load(&job_gen) == seen) futex(&job_gen, FUTEX_WAIT_PRIVATE, seen);
+        seen = atomic_load(&job_gen);
+        work(&job);
+    }
+    return NULL;
+}
+
+static int start_helper(void) {
+    int state = atomic_load(&helper_state);
+    if (state) return state > 0;
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int ok = pthread_create(&t, &attr, helper, NULL) == 0;
+    pthread_attr_destroy(&attr);
+    atomic_store(&helper_state, ok ? 1 : -1);
+    return ok;
+}
+#endif
+
+enum { SHARED_MIN = 1 << 21 }; /* multiply-adds worth waking the helper for (a 576x576 product of 8 rows) */
+
+/* c (M x n, stride ldc) = alpha a (M x k, stride lda) W^T for a registered W; 0 when it cannot. */
+static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, float *c, int ldc) {
+#ifdef X86_AVX512
+    int n = m->n;
+    long row_bytes = (long)m->k * m->bits / 8 + 2L * (m->k / m->group) * sizeof(float);
+    int stretch = (int)(CHUNK / row_bytes);
+    int big = qgemm_threads > 1 && (long)M * n * m->k >= SHARED_MIN;
+    if (big && alone_for > 0) alone_for--, big = 0;
+    int shared = big && !atomic_exchange(&job_busy, 1);
+    if (shared && !start_helper()) {
+        atomic_store(&job_busy, 0);
+        shared = 0;
+    }
+    if (shared) { /* about 8 stretches a thread, for balance */
+        if (n / 16 + 1 < stretch) stretch = n / 16 + 1;
+    }
+    if (stretch < 1) stretch = 1;
+    job_t mine = {.m = m, .a = a, .c = c, .M = M, .lda = lda, .ldc = ldc, .stretch = stretch};
+    job_t *j = shared ? &job : &mine;
+    if (shared) {
+        j->m = m, j->a = a, j->c = c, j->M = M, j->lda = lda, j->ldc = ldc, j->stretch = stretch;
+    }
+    j->stretches = (n + stretch - 1) / stretch;
+    atomic_store(&j->next, 0);
+    atomic_store(&j->done, 0);
+    atomic_store(&j->failed, 0);
+    atomic_store(&j->sleeping, 0);
+    if (shared) {
+        atomic_fetch_add(&job_gen, 1);
+        futex(&job_gen, FUTEX_WAKE_PRIVATE, 1);
+    }
+    int mine_done = work(j);
+    if (shared) {
+        double t0 = now();
+        /* only a stretch the helper is computing: spun for briefly, then slept on (a spinning caller would
+         * keep a preempted helper off the core it needs) */
+        for (int spins = 0, d; (d = atomic_load(&j->done)) < j->stretches; spins++)
+            if (spins < 2000) _mm_pause();
+            else {
+                atomic_store(&j->sleeping, 1);
+                if (atomic_load(&j->done) == d) futex_wait_ms(&j->done, d, 1);
+            }
+        /* Beside a busy process the helper gets no core, or loses it in a stretch: then products go on alone
+         * for a while (a waiting caller would collapse a batch, as OpenBLAS's spinning threads did). */
+        double waited = now() - t0;
+        if (waited > 2e-4 || 4 * (j->stretches - mine_done) < j->stretches) alone_for = ALONE;
+    }
+    int failed = atomic_load(&j->failed);
+    if (shared) atomic_store(&job_busy, 0);
+    if (failed) return 0; /* (only when memory for a few rows ran out) */
+    if (alpha != 1.0f)
+        for (int i = 0; i < M; i++)
+            for (int r = 0; r < n; r++) c[(long)i * ldc + r] *= alpha;
+    qgemm_calls++;
+    return 1;
+#else
+    (void)m, (void)M, (void)a, (void)lda, (void)alpha, (void)c, (void)ldc;
+    return 0;
+#endif
+}
+
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
                  const float *b, int ldb, float beta, float *c, int ldc) {
     if (order == COL_MAJOR) { /* column-major C = op(A) op(B) is row-major C^T = op(B)^T op(A)^T */
@@ -266,6 +534,11 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
         else /* A is k x m */
             blas_sgemv(ROW_MAJOR, TRANS, k, m, alpha, a, lda, b, inc_b, beta, c, ldc);
         return;
+    }
+    /* several rows by a registered matrix: from its quantized bytes too, up to qgemm_max_rows of them */
+    if (m > 1 && m <= qgemm_max_rows && ta == NO_TRANS && tb == TRANS && ldb == k && beta == 0.0f) {
+        const qmat *q = lookup(b, n, k);
+        if (q && qgemm(q, m, a, lda, alpha, c, ldc)) return;
     }
     blas_sgemm(ROW_MAJOR, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }

@@ -10,7 +10,10 @@ later runs do not pay for it again; a new compiler or a changed source tries aga
 Installed by :mod:`mlxpipe.cpu.blas`, before mlx is imported; imports nothing from mlx.
 
 A float32 weight matrix that was dequantized from mlx's 4- or 8-bit form can be :func:`attach`-ed to that
-form (by the engine): one-row products by it then read the quantized bytes, on machines with AVX-512.
+form (by the engine): one-row products by it then read the quantized bytes, on machines with AVX-512, and so
+do products of up to :data:`MAX_ROWS` rows (``--batch`` decode steps, short prompts), with the same float32
+weights the one-row kernels use (so a record's answer does not depend on its neighbours' count).
+``MLXPIPE_QGEMM=off`` keeps those several-row products on the BLAS.
 """
 
 from __future__ import annotations
@@ -30,10 +33,24 @@ from ..errors import first_line
 from ..paths import cache_dir
 from ..switches import setting, turned_off
 
-__all__ = ["ENV", "NO_COMPILER", "attach", "detach", "install", "quantized_available", "quantized_calls"]
+__all__ = [
+    "ENV",
+    "MAX_ROWS",
+    "NO_COMPILER",
+    "QGEMM_ENV",
+    "attach",
+    "detach",
+    "install",
+    "quantized_available",
+    "quantized_batch_calls",
+    "quantized_calls",
+    "use_threads",
+]
 
 ENV = "MLXPIPE_GEMV"
+QGEMM_ENV = "MLXPIPE_QGEMM"
 NO_COMPILER = "no C compiler (cc) found"
+MAX_ROWS = 64  # products of more rows (long prompts) go to the BLAS: bench/RESULTS.md, issue 19
 _SOURCE = Path(__file__).with_name("gemv.c")
 _shim: Any = None  # the library in front of the BLAS, once installed
 
@@ -56,6 +73,7 @@ def install(blas: Any) -> str:
         shim = _open(path, ctypes.RTLD_LOCAL)
         if not shim.mlxpipe_gemv_init(sgemm, sgemv):
             return "not used: the BLAS's functions could not be found"
+        shim.mlxpipe_qgemm_max_rows(0 if turned_off(QGEMM_ENV) else MAX_ROWS)
         global _shim
         _shim = _open(path, ctypes.RTLD_GLOBAL)  # promoted now: it comes before the BLAS in the global scope
     except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError) as exc:
@@ -166,6 +184,21 @@ def detach(weights: Any, settle: Callable[[], None] = lambda: None) -> None:
     settle()
     for w in weights:
         _attached.pop(_address(w), None)
+
+
+def use_threads(threads: int) -> None:
+    """Let products of several rows by attached matrices use ``threads`` threads (1 or 2: the caller and one
+    helper, which sleeps between products and is left out for a while when it does not get a core)."""
+    if _shim is not None:
+        _shim.mlxpipe_qgemm_threads(max(1, threads))
+
+
+def quantized_batch_calls() -> int:
+    """Products of several rows computed from quantized weights so far in this process."""
+    if _shim is None:
+        return 0
+    _shim.mlxpipe_qgemm_calls.restype = ctypes.c_long
+    return int(_shim.mlxpipe_qgemm_calls())
 
 
 def quantized_calls() -> int:
