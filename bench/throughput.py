@@ -1,6 +1,10 @@
 """Throughput of --batch: the same records, greedy, max tokens 32, at batch sizes 1, 4, 8, 16 and 32.
 
     flock -x /tmp/mlxpipe-cpu.lock python bench/throughput.py [--records 64] [--sizes 1,4,8,16,32]
+    flock -x /tmp/mlxpipe-cpu.lock python bench/throughput.py --whole --records 256 --sizes 1,default
+
+``--whole``: the real command as a user runs it on a file (``mlxpipe --jsonl --no-stream -n 32 FILE``,
+model load included), ``default`` meaning no ``--batch`` flag at all (issue 19's annotation-job goal).
 
 One process, one loaded model (the CLI's default load), every size run on the same records through
 ``mlxpipe.run`` (the CLI's own path, input order kept). Prints wall time, aggregate generated tokens per
@@ -11,8 +15,12 @@ batching: see bench/RESULTS.md).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 
 from mlxpipe import Engine, records_from_objects, run
@@ -96,13 +104,46 @@ def answers(engine: Engine, prompts: list[str], batch: int) -> tuple[float, list
     return time.perf_counter() - start, done
 
 
+def whole(prompts: list[str], sizes: list[str]) -> None:
+    """Each size as the whole command on a file of the prompts; wall time, tok/s, texts against the first."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "records.txt")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("".join(p + "\n" for p in prompts))
+        load = os.getloadavg()[0]
+        print(f"# {len(prompts)} records, greedy, max tokens 32, whole command; load {load:.2f}")
+        print("| --batch | wall s | tokens | aggregate tok/s | speed-up | answers differing from the first |")
+        print("|---|---|---|---|---|---|")
+        base_wall, base_texts = 0.0, []
+        for size in sizes:
+            flag = [] if size == "default" else ["--batch", size]
+            cmd = [sys.executable, "-m", "mlxpipe", "--jsonl", "--no-stream", "-n", "32", *flag, path]
+            start = time.perf_counter()
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL)
+            wall = time.perf_counter() - start
+            done = [e for e in map(json.loads, out.stdout.splitlines()) if e["event"] == "done"]
+            tokens, texts = sum(e["tokens"] for e in done), [e["text"] for e in done]
+            base_wall, base_texts = base_wall or wall, base_texts or texts
+            differ = sum(a != b for a, b in zip(texts, base_texts, strict=True))
+            print(
+                f"| {size} | {wall:.1f} | {tokens} | {tokens / wall:.1f} | {base_wall / wall:.2f}x "
+                f"| {differ}/{len(texts)} |",
+                flush=True,
+            )
+        print(f"# load average after: {os.getloadavg()[0]:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=64)
     parser.add_argument("--sizes", default="1,4,8,16,32")
+    parser.add_argument("--whole", action="store_true", help="the real command on a file, one process a size")
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
     prompts = [f"Write two sentences about {TOPICS[n % len(TOPICS)]}." for n in range(args.records)]
+    if args.whole:
+        whole(prompts, args.sizes.split(","))
+        return
+    sizes = [int(s) for s in args.sizes.split(",")]
 
     engine = Engine.load()
     info = engine.info()

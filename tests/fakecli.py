@@ -48,6 +48,11 @@ class Engine(FakeEngine):
     def slow_paths(self) -> list[str]:
         return []  # no CPU path to miss
 
+    batch_choice = None
+
+    def auto_batch(self, max_tokens: int, interactive: bool) -> int:
+        return 1  # --batch auto: one at a time, so tests without --batch keep testing the sequential path
+
     def generate(self, record: Record, should_stop: Callable[[], bool] = lambda: False) -> Iterator[Any]:
         if DELAY:
             time.sleep(DELAY)

@@ -37,7 +37,7 @@ def grouped_in_order(evs: list[dict]) -> bool:
 @pytest.mark.model
 def test_batch_matches_sequential_greedy_and_keeps_order(batch_is_exact: bool) -> None:
     lines = "".join(json.dumps({"id": f"r{n}", "prompt": p}) + "\n" for n, p in enumerate(PROMPTS))
-    seq = events(run_cli(["--jsonl", "-n", "8"], input=lines).stdout)
+    seq = events(run_cli(["--jsonl", "-n", "8", "--batch", "1"], input=lines).stdout)
     r = run_cli(["--jsonl", "-n", "8", "--batch", "4"], input=lines)
     assert r.returncode == 0 and r.stderr == b"", r.stderr
     bat = events(r.stdout)
@@ -52,6 +52,22 @@ def test_batch_matches_sequential_greedy_and_keeps_order(batch_is_exact: bool) -
         assert [c["tokens"] for c in chunks] == sorted(c["tokens"] for c in chunks)
         assert done["prompt_tokens"] > 5 and done["tokens"] <= 8 and done["peak_memory"] > 1_000_000
     assert "Paris" in finals(bat)[0]["text"]
+
+
+@pytest.mark.model
+def test_batch_auto_is_the_default_off_a_terminal_and_says_what_it_chose(batch_is_exact: bool) -> None:
+    info = json.loads(run_cli(["--model-info"], input=b"").stdout)
+    assert info["batch"]["auto"] and info["batch"]["size"] > 1 and info["batch"]["reason"]
+    lines = "".join(json.dumps({"id": f"r{n}", "prompt": p}) + "\n" for n, p in enumerate(PROMPTS))
+    auto = run_cli(["--jsonl", "-n", "8", "--stats"], input=lines)
+    one = run_cli(["--jsonl", "-n", "8", "--stats", "--batch", "1"], input=lines)
+    assert auto.returncode == one.returncode == 0, auto.stderr + one.stderr
+    assert f"batch {info['batch']['size']} (auto: {info['batch']['reason']})" in auto.stderr.decode()
+    assert one.stderr.decode().rstrip().endswith(", batch 1")
+    batched, single = finals(events(auto.stdout)), finals(events(one.stdout))
+    assert [e["id"] for e in batched] == [f"r{n}" for n in range(len(PROMPTS))]
+    if batch_is_exact:
+        assert [e["text"] for e in batched] == [e["text"] for e in single]
 
 
 @pytest.mark.model

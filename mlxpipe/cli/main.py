@@ -58,6 +58,11 @@ def _main(argv: list[str] | None, console: Console) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse has printed help, the version or a usage error
         return int(exc.code or 0)
+    # --batch auto is resolved once the model is loaded (its size depends on the backend and memory); until
+    # then it counts as 1 for the checks, and only a run that could batch at all gets it.
+    batch_auto = args.batch == "auto"
+    if batch_auto:
+        args.batch = 1
     if args.jsonl:  # with --slurp the input is text whatever the format: --jsonl then means the output
         args.in_format, args.out_format = "lines" if args.slurp else "jsonl", "jsonl"
     try:
@@ -74,6 +79,7 @@ def _main(argv: list[str] | None, console: Console) -> int:
     except UsageError as exc:
         console.say(f"mlxpipe: error: {exc}")
         return EXIT_USAGE
+    args.batch_auto = batch_auto and not args.interactive and not args.conversation
     for line in advice(args, args.interactive):
         console.say(line)
     if args.interactive:
@@ -170,13 +176,26 @@ def _start(args: argparse.Namespace, console: Console, ranks: Ranks) -> _Started
     return _Started(resume)
 
 
+def _reads_terminal(files: list[str]) -> bool:
+    """Whether the records come from a terminal (stdin, no FILE but "-"): then --batch auto is 1."""
+    if any(f != "-" for f in files):
+        return False
+    try:
+        return os.isatty(0)
+    except OSError:
+        return False
+
+
 def _load(args: argparse.Namespace, console: Console, ranks: Ranks) -> Engine | int:
     """The engine, or the exit status when the run ends here (a model error, ``--model-info``)."""
     try:
         from ..engine import Engine  # mlx-lm and transformers: slow; NoBackend when mlx has none here
 
         engine = Engine.load(
-            args.model, dtype=args.dtype, batch=args.batch, trust_remote_code=args.trust_remote_code
+            args.model,
+            dtype=args.dtype,
+            batch=(1 if interactive else 2) if auto else args.batch,  # the dtype depends on batching or not
+            trust_remote_code=args.trust_remote_code,
         )
     except ModelError as exc:
         console.say(f"mlxpipe: error: {exc}")
@@ -184,6 +203,8 @@ def _load(args: argparse.Namespace, console: Console, ranks: Ranks) -> Engine | 
     if not (args.model_info or args.quiet or ranks.rank):  # --model-info carries them as JSON
         for line in engine.slow_paths():  # said once, before the first record: the run will be slow
             console.say(f"mlxpipe: warning: {line}")
+    if args.batch_auto:
+        args.batch = engine.auto_batch(args.max_tokens, not args.prompt and _reads_terminal(args.files))
     if args.model_info:
         if ranks.rank == 0:
             try:
@@ -239,6 +260,8 @@ def _run(
             return engine
         # Only now is there something to finish cleanly; until here a signal ends the process at once.
         job.interrupts.install()
+        choice = engine.batch_choice
+        job.stats.batch = f"batch {args.batch}" + (f" (auto: {choice['reason']})" if choice else "")
         renderer = _renderer(args, resume, constraint)
         if args.interactive:
             return _interactive(job, engine, reader, renderer)

@@ -69,6 +69,10 @@ def positive_int(text: str) -> int:
     return value
 
 
+def batch_size(text: str) -> int | str:
+    return "auto" if text.strip().lower() == "auto" else positive_int(text)
+
+
 def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -246,11 +250,13 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("-b", "--batch"),
         "generation",
-        "Generate up to N records at once (continuous batching); output stays in input order "
-        "(default: 1, one record after another).",
+        "Generate up to N records at once (continuous batching); output stays in input order. auto (the "
+        "default): one record at a time when reading a terminal or with --chat, else the size measured best "
+        "for the backend that the model's memory allows (--model-info and --stats say which); 1: one after "
+        "another.",
         metavar="N",
-        type=positive_int,
-        default=1,
+        type=batch_size,
+        default="auto",
     ),
     Option(
         ("--chat",),

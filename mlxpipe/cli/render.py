@@ -21,6 +21,7 @@ class Stats:
     prompt_tokens: int = 0
     tokens: int = 0
     peak_memory: int = 0
+    batch: str = ""  # how many records generated together, and why when --batch auto chose it
 
     def add(self, event: Event) -> None:
         if isinstance(event, Done):
@@ -37,7 +38,7 @@ class Stats:
         return (
             f"mlxpipe: {self.records} records, {self.failed} failed, {self.prompt_tokens} prompt tokens, "
             f"{self.tokens} generated tokens, {tps:.1f} tok/s, peak memory "
-            f"{self.peak_memory / 1e6:.1f} MB, {seconds:.1f} s"
+            f"{self.peak_memory / 1e6:.1f} MB, {seconds:.1f} s" + (f", {self.batch}" if self.batch else "")
         )
 
 

@@ -22,7 +22,32 @@ from .sampling import StopStrings
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["Batch"]
+__all__ = ["AUTO_CPU", "AUTO_GPU", "Batch", "auto_size"]
+
+# --batch auto's sizes, measured best per backend (bench/RESULTS.md, issue 19; the H200's in issue 10).
+AUTO_CPU = 16
+AUTO_GPU = 64
+_PROMPT_ALLOWANCE = 512  # prompt tokens assumed per record when sizing the KV caches
+
+
+def auto_size(model: Any, max_tokens: int, free_memory: int | None, on_gpu: bool) -> tuple[int, str]:
+    """``--batch auto`` for a run that does not read a terminal: the size measured best for the backend,
+    lowered until the KV caches of that many records (``max_tokens`` + a prompt allowance each, float32 on
+    a CPU) take at most half of ``free_memory``; the size and why."""
+    size = AUTO_GPU if on_gpu else AUTO_CPU
+    why = f"measured best on {'a GPU' if on_gpu else 'a CPU'}"
+    args: Any = getattr(model, "args", None)
+    layers = getattr(args, "num_hidden_layers", None)
+    heads = getattr(args, "num_key_value_heads", None) or getattr(args, "num_attention_heads", None)
+    hidden, all_heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
+    dim = getattr(args, "head_dim", None) or (hidden // all_heads if hidden and all_heads else None)
+    if free_memory and isinstance(layers, int) and isinstance(heads, int) and isinstance(dim, int):
+        per_record = 2 * layers * heads * dim * 4 * (max_tokens + _PROMPT_ALLOWANCE)
+        fits = max(1, free_memory // 2 // per_record)
+        if fits < size:
+            size = fits
+            why = f"the KV caches of {fits} records fit in half the free memory"
+    return size, why
 
 
 @dataclass

@@ -25,10 +25,10 @@ from ..errors import ModelError, first_line
 from ..events import Chunk, Done, decode_tps
 from ..records import Record
 from . import sampling
-from .batch import Batch
+from .batch import Batch, auto_size
 from .choices import choose
 from .constraints import Constraints
-from .dtype import accelerator, apply_dtype, choose_dtype
+from .dtype import accelerator, apply_dtype, available_memory, choose_dtype
 from .prefix import PrefixCache
 from .prompts import Prompts
 
@@ -67,6 +67,7 @@ class Engine:
         self.dtype_reason = dtype_reason
         self.cpu_fast_paths: list[str] = []  # layers swapped by mlxpipe.cpu.layers (set by load)
         self.quantized_rows = 0  # weight matrices whose one-row products read quantized bytes (set by load)
+        self.batch_choice: dict[str, Any] | None = None  # what --batch auto chose and why (set by auto_batch)
         self.context_length = int(models.describe(source, folder).get("context_length") or 0)
         self.reuse_prefix = True
         self.prefill_step = _CPU_PREFILL_STEP if accelerator() is None else _GPU_PREFILL_STEP
@@ -128,6 +129,8 @@ class Engine:
             info["blas"]["threads"] = threads  # now: 1 while one stream decodes, else the default
         info["cpu_fast_paths"] = self.cpu_fast_paths
         info["quantized_rows"] = self.quantized_rows
+        if self.batch_choice is not None:
+            info["batch"] = self.batch_choice
         return info
 
     def slow_paths(self) -> list[str]:
@@ -136,6 +139,15 @@ class Engine:
         if self.dtype != "float32" or accelerator() is not None:
             return []
         return blas.slow_paths()
+
+    def auto_batch(self, max_tokens: int, interactive: bool) -> int:
+        """What ``--batch auto`` means for this run (1 when reading a terminal); recorded for ``info``."""
+        if interactive:
+            size, why = 1, "input is a terminal: one record at a time"
+        else:
+            size, why = auto_size(self.model, max_tokens, available_memory(), accelerator() is not None)
+        self.batch_choice = {"size": size, "auto": True, "reason": why}
+        return size
 
     # What each record gets; every generation path (sequential or batched) asks here.
 

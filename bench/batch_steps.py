@@ -1,0 +1,141 @@
+"""Where a batched decode step goes, at B records: matrix products, the rest of the model, mlx-lm's
+BatchGenerator, mlxpipe's own per-token work; with the quantized several-row kernels and without.
+
+    PYTHONPATH=. flock -x /tmp/mlxpipe-cpu.lock python bench/batch_steps.py [--batch 2,16,64] [--rounds 2]
+
+Per B and setting (``qgemm``: products of up to 64 rows from the quantized bytes; ``blas``: those products
+by OpenBLAS on the float32 weights, as before issue 19), minimum and median over the steps of:
+
+- ``products``: the step's 211 weight products alone (the attached matrices, B random rows, through the
+  same ``cblas_sgemm`` mlx calls);
+- ``model``: one bare forward step of B tokens with a KV cache, then argmax (``decode_steps``);
+- ``step``: one ``Batch.step()`` of ``mlxpipe.run``'s batched path with B records in flight (prefill steps
+  left out), split into mlx-lm's ``next_generated`` (graph, evaluation, its per-row sampling and
+  bookkeeping) and mlxpipe's own part (detokenizing, stop strings, events).
+
+The rounds alternate the settings. Greedy tokens of the bare steps are compared between the settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from mlxpipe import Engine, records_from_objects, run  # the BLAS first, then mlx
+from mlxpipe.cpu import blas, gemv
+from mlxpipe.records import Settings
+
+sys.path.insert(0, os.path.dirname(__file__))
+from decode_steps import decode_steps
+
+
+def use_qgemm(on: bool) -> None:
+    gemv._shim.mlxpipe_qgemm_max_rows(gemv.MAX_ROWS if on else 0)
+
+
+def products(b: int, n: int) -> list[float]:
+    """Seconds of all attached matrices' products by b random rows, n times."""
+    import numpy as np
+
+    weights = [entry[0] for entry in gemv._attached.values()]
+    xs = {w.shape[1]: np.random.default_rng(0).standard_normal((b, w.shape[1]), np.float32) for w in weights}
+    out = {id(w): np.zeros((b, w.shape[0]), np.float32) for w in weights}
+    p, f = ctypes.c_void_p, ctypes.c_float
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        for w in weights:
+            k, x, c = w.shape[1], xs[w.shape[1]], out[id(w)]
+            gemv._shim.cblas_sgemm(
+                101, 111, 112, b, w.shape[0], k, f(1.0), p(x.ctypes.data), k, p(gemv._address(w)), k, f(0.0),
+                p(c.ctypes.data), w.shape[0],
+            )  # fmt: skip
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def batch_steps(engine: Any, b: int, n: int) -> tuple[list[float], list[float]]:
+    """(seconds of each Batch.step, of its next_generated part) with b records decoding n tokens."""
+    from mlxpipe.engine import batch as batch_module
+
+    steps: list[float] = []
+    inner: list[float] = []
+    original_step = batch_module.Batch.step
+
+    def timed_step(self: Any) -> Any:
+        gen = self._gen
+        if not hasattr(gen, "_mlxpipe_timed"):
+            plain = gen.next_generated
+
+            def next_generated() -> Any:
+                start = time.perf_counter()
+                out = plain()
+                inner.append(time.perf_counter() - start)
+                return out
+
+            gen.next_generated = next_generated
+            gen._mlxpipe_timed = True
+        start = time.perf_counter()
+        events = original_step(self)
+        steps.append(time.perf_counter() - start)
+        return events
+
+    batch_module.Batch.step = timed_step  # type: ignore[method-assign]
+    try:
+        prompts = [f"Write a long story about topic number {i}." for i in range(b)]
+        records = records_from_objects(prompts, Settings(max_tokens=n + 8, temperature=0.0))
+        for _ in run(records, engine, batch=b, ordered=False):
+            pass
+    finally:
+        batch_module.Batch.step = original_step  # type: ignore[method-assign]
+    # The first steps read the prompts, the last ones have fewer records: keep the full decode steps.
+    return steps[4 : 4 + n], inner[4 : 4 + n]
+
+
+def ms(times: list[float]) -> str:
+    return f"{min(times) * 1e3:7.1f} / {statistics.median(times) * 1e3:7.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", default="2,16,64")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    import mlx.core as mx
+
+    engine = Engine.load()
+    print(f"load average before: {os.getloadavg()[0]:.2f}; BLAS {blas.setup().info().get('config')}")
+    print(f"attached matrices: {engine.quantized_rows}; times in ms, min / median")
+    print("| B | setting | products | model step | Batch.step | of it next_generated | mlxpipe's | tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b in [int(x) for x in args.batch.split(",")]:
+        blas.use_threads(b)
+        prompt = mx.array([engine.tokenizer.encode(f"Tell me about the number {i}.")[:8] for i in range(b)])
+        picked: dict[str, list[int]] = {}
+        for _ in range(args.rounds):
+            for setting in ("blas", "qgemm"):
+                use_qgemm(setting == "qgemm")
+                prod = products(b, args.steps)
+                model = decode_steps(engine.model, prompt, args.steps)
+                picked[setting] = model.picked
+                step, inner = batch_steps(engine, b, args.steps)
+                own = [s - i for s, i in zip(step, inner, strict=True)]
+                cells = " | ".join(ms(t) for t in (prod, model.times, step, inner, own))
+                print(
+                    f"| {b} | {setting} | {cells} | {b / statistics.median(step):.0f} |",
+                    flush=True,
+                )
+        same = picked["blas"] == picked["qgemm"]
+        print(f"| {b} | greedy tokens of the bare steps equal in both settings: {same} |||||||")
+    use_qgemm(True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
