@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from conftest import REPO, cli_env, run_cli
 
-from mlxpipe.cpu import blas
+from mlxpipe.cpu import blas, gemv
 
 REFERENCE = "/venv/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
 CMEEL = ("cmeel-openblas", "/venv/site-packages/cmeel.prefix/lib/libopenblas.so.0")
@@ -133,6 +133,20 @@ def test_one_thread_for_one_stream_the_default_for_a_batch(machine: dict[str, An
     assert blas.threads() == 1
     blas.use_threads(16)
     assert blas.threads() == 2
+
+
+def test_one_thread_for_a_batch_whose_products_the_quantized_kernels_take(
+    machine: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Their helper takes the second core; OpenBLAS's spinning threads would collapse beside a busy process.
+    helper: list[int] = []
+    monkeypatch.setattr(gemv, "attached", lambda: 211)
+    monkeypatch.setattr(gemv, "use_threads", helper.append)
+    blas.choose()
+    blas.use_threads(16)
+    assert blas.threads() == 1 and helper == [2]
+    blas.use_threads(1)
+    assert blas.threads() == 1 and helper == [2, 1]
 
 
 def test_falls_back_to_the_system_library_and_says_why(machine: dict[str, Any]) -> None:

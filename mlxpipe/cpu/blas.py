@@ -241,7 +241,9 @@ def _candidates() -> list[tuple[str, str]]:
 
 
 # Threads: one for a single stream (a second one only spins, and collapses decoding beside a busy process),
-# OpenBLAS's default for batches, one per rank under a launcher; the user's OPENBLAS_NUM_THREADS wins.
+# and for batches whose products the quantized kernels compute (their helper thread sleeps and steps aside
+# beside a busy process; OpenBLAS keeps long prompts); else OpenBLAS's default for batches; one per rank
+# under a launcher; the user's OPENBLAS_NUM_THREADS wins.
 _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 _LAUNCHER_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 _library: Any = None  # the OpenBLAS loaded by setup(), if any
@@ -255,19 +257,22 @@ def default_threads(batch: int | None = None) -> int | None:
         return None
     if any(name in os.environ for name in _LAUNCHER_VARS):
         return 1
-    return 1 if batch == 1 else None
+    return 1 if batch == 1 or gemv.attached() else None
 
 
 def use_threads(batch: int) -> None:
     """Set the loaded OpenBLAS's threads for ``batch`` records decoding together (:func:`default_threads`),
-    and the quantized kernels' (:func:`.gemv.use_threads`) to as many, at most 2."""
+    and the quantized kernels' (:func:`.gemv.use_threads`): a helper for a batch, unless one thread is
+    all the user or the launcher allows."""
     if _library is None:
         return
     threads = default_threads(batch) or _library_threads
     if threads:
         with contextlib.suppress(AttributeError):
             _library.openblas_set_num_threads(ctypes.c_int(threads))
-    gemv.use_threads(min(threads or 1, 2))  # the quantized kernels: the caller and at most one helper
+    user = default_threads(None) is None and _library_threads == 1  # OPENBLAS_NUM_THREADS=1 and the like
+    launched = any(name in os.environ for name in _LAUNCHER_VARS)
+    gemv.use_threads(1 if batch == 1 or user or launched else 2)
 
 
 def threads() -> int | None:

@@ -39,6 +39,7 @@ __all__ = [
     "NO_COMPILER",
     "QGEMM_ENV",
     "attach",
+    "attached",
     "detach",
     "install",
     "quantized_available",
@@ -132,6 +133,11 @@ def _built() -> str:
 # Registered matrices, by the float32 matrix's address: that matrix (kept alive while registered, so that its
 # address cannot pass to another array) and the copies the C side reads.
 _attached: dict[int, tuple[Any, ...]] = {}
+
+
+def attached() -> int:
+    """How many matrices are attached to the quantized kernels now."""
+    return len(_attached)
 
 
 def quantized_available() -> bool:
