@@ -4,8 +4,8 @@ BatchGenerator, mlxpipe's own per-token work; with the quantized several-row ker
     PYTHONPATH=. flock -x /tmp/mlxpipe-cpu.lock python bench/batch_steps.py [--batch 2,16,64] [--rounds 2]
 
 Per B and setting (``qgemm``: products of up to 64 rows from the quantized bytes, mlxpipe's threads;
-``blas``: those products by OpenBLAS on the float32 weights with its default threads, as before issue 19),
-minimum and median over the steps of:
+``blas``: those products by OpenBLAS on the float32 weights with its default threads, as before issue 19;
+``blas1``: the same with one OpenBLAS thread), minimum and median over the steps of:
 
 - ``products``: the step's 211 weight products alone (the attached matrices, B random rows, through the
   same ``cblas_sgemm`` mlx calls);
@@ -35,12 +35,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from decode_steps import decode_steps
 
 
-def use_qgemm(on: bool, b: int) -> None:
-    """The quantized kernels with mlxpipe's threads, or (as before issue 19) OpenBLAS with its default."""
-    gemv._shim.mlxpipe_qgemm_max_rows(gemv.MAX_ROWS if on else 0)
+def use(setting: str, b: int) -> None:
+    """qgemm: the quantized kernels with mlxpipe's threads; blas: OpenBLAS with its default threads (as
+    before issue 19); blas1: OpenBLAS with one thread."""
+    gemv._shim.mlxpipe_qgemm_max_rows(gemv.MAX_ROWS if setting == "qgemm" else 0)
     blas.use_threads(b)
-    if not on:
-        blas._library.openblas_set_num_threads(blas._library_threads)
+    if setting != "qgemm":
+        blas._library.openblas_set_num_threads(blas._library_threads if setting == "blas" else 1)
 
 
 def products(b: int, n: int) -> list[float]:
@@ -123,8 +124,8 @@ def main() -> None:
         prompt = mx.array([engine.tokenizer.encode(f"Tell me about the number {i}.")[:8] for i in range(b)])
         picked: dict[str, list[int]] = {}
         for _ in range(args.rounds):
-            for setting in ("blas", "qgemm"):
-                use_qgemm(setting == "qgemm", b)
+            for setting in ("blas", "blas1", "qgemm"):
+                use(setting, b)
                 prod = products(b, args.steps)
                 model = decode_steps(engine.model, prompt, args.steps)
                 picked[setting] = model.picked
@@ -137,7 +138,7 @@ def main() -> None:
                 )
         same = picked["blas"] == picked["qgemm"]
         print(f"| {b} | greedy tokens of the bare steps equal in both settings: {same} |||||||")
-    use_qgemm(True, 1)
+    use("qgemm", 1)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
