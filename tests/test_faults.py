@@ -130,7 +130,7 @@ JSONL_CASES: list[tuple[bytes, str]] = [
 ]
 
 
-BATCH = [pytest.param([], id="sequential"), pytest.param(["--batch", "4"], id="batch")]
+BATCH = [pytest.param(["--batch", "1"], id="sequential"), pytest.param(["--batch", "4"], id="batch")]
 
 
 @pytest.mark.parametrize("mode", BATCH)

@@ -29,7 +29,7 @@ from mlxpipe.cli.streams import write_all
 from mlxpipe.events import Error, decode_tps
 
 FAKECLI = [sys.executable, str(REPO / "tests" / "fakecli.py")]
-MODES = [pytest.param([], id="sequential"), pytest.param(["--batch", "3"], id="batch")]
+MODES = [pytest.param(["--batch", "1"], id="sequential"), pytest.param(["--batch", "3"], id="batch")]
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_OUTPUT = 0, 1, 2, 4
 
 

@@ -143,7 +143,7 @@ def test_python_api_yields_the_same_events(engine) -> None:
 
 
 def test_sigint_ends_the_record_with_a_done_line_and_the_process_by_sigint() -> None:
-    p = start_cli(["--jsonl", "-n", "200"])
+    p = start_cli(["--jsonl", "-n", "200", "--batch", "1"])
     assert p.stdin and p.stdout
     p.stdin.write(b'"Write a long story about a dragon."\n"Second."\n')
     p.stdin.close()

@@ -433,7 +433,7 @@ def test_ctrl_c_at_any_moment_ends_the_process_by_sigint_without_a_traceback(
 
 @pytest.mark.model
 def test_sigterm_ends_the_record_with_a_done_line_and_the_process_by_sigterm() -> None:
-    p = start_cli(["--jsonl", "-n", "200"])
+    p = start_cli(["--jsonl", "-n", "200", "--batch", "1"])
     assert p.stdin and p.stdout and p.stderr
     p.stdin.write(b'"Write a long story about a dragon."\n"Second."\n')
     p.stdin.close()
