@@ -24,18 +24,19 @@ if TYPE_CHECKING:
 
 __all__ = ["AUTO_CPU", "AUTO_GPU", "Batch", "auto_size"]
 
-# --batch auto's sizes, measured best per backend (bench/RESULTS.md, issue 19; the H200's in issue 10).
+# --batch auto's sizes per backend: the CPU's from issue 6's and 19's runs (bench/RESULTS.md), the GPU's
+# where issue 10's H200 runs had batching well past its single stream.
 AUTO_CPU = 16
 AUTO_GPU = 64
 _PROMPT_ALLOWANCE = 512  # prompt tokens assumed per record when sizing the KV caches
 
 
 def auto_size(model: Any, max_tokens: int, free_memory: int | None, on_gpu: bool) -> tuple[int, str]:
-    """``--batch auto`` for a run that does not read a terminal: the size measured best for the backend,
-    lowered until the KV caches of that many records (``max_tokens`` + a prompt allowance each, float32 on
-    a CPU) take at most half of ``free_memory``; the size and why."""
+    """``--batch auto`` for a run that does not read a terminal: the backend's size, lowered until the KV
+    caches of that many records (``max_tokens`` + a prompt allowance each, float32) take at most half of
+    ``free_memory``; the size and why."""
     size = AUTO_GPU if on_gpu else AUTO_CPU
-    why = f"measured best on {'a GPU' if on_gpu else 'a CPU'}"
+    why = f"the size for {'a GPU' if on_gpu else 'a CPU'}"
     args: Any = getattr(model, "args", None)
     layers = getattr(args, "num_hidden_layers", None)
     heads = getattr(args, "num_key_value_heads", None) or getattr(args, "num_attention_heads", None)
