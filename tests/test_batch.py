@@ -332,3 +332,21 @@ def test_prompts_are_read_in_chunks_of_the_backends_prefill_step(engine, monkeyp
         assert batch._gen.prefill_step_size == engine.prefill_step
     finally:
         batch.close()
+
+
+def test_batch_auto_size_is_the_backends_unless_the_kv_caches_would_not_fit() -> None:
+    from types import SimpleNamespace
+
+    from mlxpipe.engine.batch import AUTO_CPU, AUTO_GPU, auto_size
+
+    # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64 values: 46,080 bytes a token in float32.
+    shape = {"num_hidden_layers": 30, "num_key_value_heads": 3, "hidden_size": 576, "num_attention_heads": 9}
+    model = SimpleNamespace(args=SimpleNamespace(**shape))
+    per_record = 46_080 * (64 + 512)
+    assert auto_size(model, 64, 10**12, on_gpu=False) == (AUTO_CPU, "the size for a CPU")
+    assert auto_size(model, 64, 10**12, on_gpu=True)[0] == AUTO_GPU
+    size, why = auto_size(model, 64, 2 * 5 * per_record, on_gpu=False)
+    assert size == 5 and "5 records fit in half the free memory" in why
+    assert auto_size(model, 64, 1, on_gpu=False)[0] == 1  # never less than one
+    assert auto_size(object(), 64, 1, on_gpu=False)[0] == AUTO_CPU  # shape unknown: the backend's size
+    assert auto_size(model, 64, None, on_gpu=False)[0] == AUTO_CPU  # free memory unknown
