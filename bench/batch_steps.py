@@ -3,7 +3,7 @@ BatchGenerator, mlxpipe's own per-token work; with the quantized several-row ker
 
     PYTHONPATH=. flock -x /tmp/mlxpipe-cpu.lock python bench/batch_steps.py [--batch 2,16,64] [--rounds 2]
 
-Per B and setting (``qgemm``: products of up to 64 rows from the quantized bytes, mlxpipe's threads;
+Per B and setting (``qgemm``: products of several rows from the quantized bytes, mlxpipe's threads;
 ``blas``: those products by OpenBLAS on the float32 weights with its default threads, as before issue 19;
 ``blas1``: the same with one OpenBLAS thread), minimum and median over the steps of:
 

@@ -262,8 +262,8 @@ def default_threads(batch: int | None = None) -> int | None:
 
 def use_threads(batch: int) -> None:
     """Set the loaded OpenBLAS's threads for ``batch`` records decoding together (:func:`default_threads`),
-    and the quantized kernels' (:func:`.gemv.use_threads`): a helper for a batch, unless one thread is
-    all the user or the launcher allows."""
+    and the quantized kernels' (:func:`.gemv.use_threads`): a helper, unless one thread is all the user or
+    the launcher allows."""
     if _library is None:
         return
     threads = default_threads(batch) or _library_threads
@@ -272,7 +272,8 @@ def use_threads(batch: int) -> None:
             _library.openblas_set_num_threads(ctypes.c_int(threads))
     user = default_threads(None) is None and _library_threads == 1  # OPENBLAS_NUM_THREADS=1 and the like
     launched = any(name in os.environ for name in _LAUNCHER_VARS)
-    gemv.use_threads(1 if batch == 1 or user or launched else 2)
+    # One stream's decode steps are one-row products (the helper never joins those): it reads prompts only.
+    gemv.use_threads(1 if user or launched else 2)
 
 
 def threads() -> int | None:

@@ -10,7 +10,7 @@
  * A weight matrix can also be registered with its quantized form (mlx's affine 4- or 8-bit layout, the one
  * a GGUF loads as): a one-row product by that matrix then reads the quantized bytes instead of the float32
  * ones, 5-8x fewer, and computes the same sums (scale * q + bias, summed in another order). So does a
- * product of up to 64 rows (a --batch decode step, a short prompt), each row summed exactly as alone.
+ * product of several rows (a --batch decode step, a prompt), each row summed exactly as alone.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -55,7 +55,7 @@ enum { TABLE = 4096 }; /* open addressing, power of two, far more than the matri
 static qmat table[TABLE];
 static int registered;
 static long qgemv_calls;
-static int qgemm_max_rows = 64; /* products of more rows (long prompts) go to the BLAS */
+static int qgemm_max_rows = 1 << 30; /* products of more rows go to the BLAS (0: one-row products only) */
 
 /* Sets the most rows a product may have for the quantized kernels (0: one-row products only). */
 void mlxpipe_qgemm_max_rows(int rows) { qgemm_max_rows = rows; }

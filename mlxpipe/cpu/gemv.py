@@ -11,8 +11,8 @@ Installed by :mod:`mlxpipe.cpu.blas`, before mlx is imported; imports nothing fr
 
 A float32 weight matrix that was dequantized from mlx's 4- or 8-bit form can be :func:`attach`-ed to that
 form (by the engine): one-row products by it then read the quantized bytes, on machines with AVX-512, and so
-do products of up to :data:`MAX_ROWS` rows (``--batch`` decode steps, short prompts), with the same float32
-weights the one-row kernels use (so a record's answer does not depend on its neighbours' count).
+do products of several rows (``--batch`` decode steps, prompts), each row summed exactly as the one-row
+kernels sum it alone (so a record's numbers do not depend on its neighbours, nor on how its prompt is cut).
 ``MLXPIPE_QGEMM=off`` keeps those several-row products on the BLAS.
 """
 
@@ -51,7 +51,7 @@ __all__ = [
 ENV = "MLXPIPE_GEMV"
 QGEMM_ENV = "MLXPIPE_QGEMM"
 NO_COMPILER = "no C compiler (cc) found"
-MAX_ROWS = 64  # products of more rows (long prompts) go to the BLAS: bench/RESULTS.md, issue 19
+MAX_ROWS = 1 << 30  # every product by an attached matrix: a row's sums never depend on the batch or prompt
 _SOURCE = Path(__file__).with_name("gemv.c")
 _shim: Any = None  # the library in front of the BLAS, once installed
 
