@@ -194,7 +194,7 @@ def _load(args: argparse.Namespace, console: Console, ranks: Ranks) -> Engine | 
         engine = Engine.load(
             args.model,
             dtype=args.dtype,
-            batch=(1 if interactive else 2) if auto else args.batch,  # the dtype depends on batching or not
+            batch=2 if args.batch_auto else args.batch,  # the dtype depends on batching or not
             trust_remote_code=args.trust_remote_code,
         )
     except ModelError as exc:
