@@ -602,7 +602,7 @@ def test_sigterm_to_rank_0_stops_every_rank_after_the_round(tmp_path: Path) -> N
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     tag = f"{os.getpid()}-{time.time()}"
     p = _launch(
-        ["--jsonl", "--no-stream", "--raw", "-n", "20", str(tmp_path / "in.jsonl")],
+        ["--jsonl", "--no-stream", "--raw", "-n", "20", "--batch", "1", str(tmp_path / "in.jsonl")],
         env={"MLXPIPE_TEST_TAG": tag},
     )
     assert p.stdout
