@@ -82,7 +82,7 @@ def run_cli(
 @pytest.fixture(scope="session")
 def batch_is_exact() -> bool:
     """Whether ``--batch`` answers match one-at-a-time answers bit for bit: on a CPU they do. On CUDA,
-    ``--batch`` computes in bfloat16 and the sequential path in quantized kernels; batched and single
+    ``--batch`` computes with 16-bit weights and the sequential path in quantized kernels; batched and single
     matmuls round differently there, so greedy texts can part after a few words (seen on an H200)."""
     r = run_cli(["--model-info", "--batch", "4"])
     assert r.returncode == 0, r.stderr

@@ -76,7 +76,8 @@ def test_auto_on_cuda_batches_in_bfloat16_when_it_fits_in_gpu_memory(
     monkeypatch.setattr(engine_module, "accelerator", lambda: "cuda")
     monkeypatch.setattr(engine_module, "gpu_memory", lambda: 140_000_000_000)
     assert engine_module.choose_dtype(engine.model, "auto")[0] == "quantized"  # one stream
-    assert engine_module.choose_dtype(engine.model, "auto", batch=8)[0] == "bfloat16"
+    half = engine_module.half_dtype(engine.model)
+    assert engine_module.choose_dtype(engine.model, "auto", batch=8)[0] == half
     # 135M weights in bfloat16 are ~270 MB: with 400 MB of GPU memory free they do not fit in half.
     monkeypatch.setattr(engine_module, "gpu_memory", lambda: 400_000_000)
     used, reason = engine_module.choose_dtype(engine.model, "auto", batch=8)
@@ -85,7 +86,7 @@ def test_auto_on_cuda_batches_in_bfloat16_when_it_fits_in_gpu_memory(
     assert engine_module.choose_dtype(engine.model, "auto", batch=8)[0] == "quantized"
 
 
-def test_quantized_weights_on_a_gpu_compute_in_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quantized_weights_on_a_gpu_compute_in_their_own_16_bit_type(monkeypatch: pytest.MonkeyPatch) -> None:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -109,3 +110,25 @@ def test_quantized_weights_on_a_gpu_compute_in_bfloat16(monkeypatch: pytest.Monk
     model = engine_module.apply_dtype(tiny(), "quantized")
     assert dtypes(model) == {mx.uint32, mx.bfloat16}  # packed weights kept; scales, biases and norms 16-bit
     assert model(mx.array([[1, 2, 3]])).dtype == mx.bfloat16
+    # As a GGUF has it: float16 scales and biases, float32 norms. The model's own 16-bit type is float16.
+    gguf_like = tiny()
+    for _, m in gguf_like.named_modules():
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding):
+            m.update({k: m[k].astype(mx.float16) for k in ("scales", "biases")})
+    assert engine_module.half_dtype(gguf_like) == "float16"
+    model = engine_module.apply_dtype(gguf_like, "quantized")
+    assert dtypes(model) == {mx.uint32, mx.float16}
+    assert model(mx.array([[1, 2, 3]])).dtype == mx.float16
+
+
+def test_the_embedded_gguf_computes_in_float16_where_16_bits_are_chosen() -> None:
+    # Its scales are float16; in bfloat16 this 135M model no longer knows the capital of France.
+    import mlx_lm
+
+    from mlxpipe import models
+    from mlxpipe.engine import dtype as engine_module
+
+    model = mlx_lm.load(models.materialize(models.resolve(None)))[0]
+    assert engine_module.half_dtype(model) == "float16"
+    r = run_cli(["--dtype", "float16", "--out", "jsonl", "--no-stream", "-n", "16"], input=PARIS + "\n")
+    assert json.loads(r.stdout)["text"] == _answer("float32")["text"]

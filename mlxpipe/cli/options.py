@@ -372,8 +372,9 @@ OPTIONS: tuple[Option, ...] = (
         ("--dtype",),
         "model",
         "Weights' type for computing (default: auto): auto picks the fastest per backend (on a CPU "
-        "float32 when memory allows, with an optimized BLAS on Linux; on CUDA with --batch bfloat16 "
-        "when GPU memory allows; otherwise on a GPU the quantized weights as loaded).",
+        "float32 when memory allows, with an optimized BLAS on Linux; on CUDA with --batch the model's own "
+        "16-bit type (float16 for a GGUF) when GPU memory allows; otherwise on a GPU the quantized weights "
+        "as loaded, computing in that 16-bit type).",
         metavar="TYPE",
         choices=DTYPES,
         default="auto",

@@ -65,6 +65,18 @@ def gpu_memory() -> int | None:
     return None
 
 
+def half_dtype(model: Any) -> str:
+    """The model's own 16-bit type: that of most of its 16-bit parameters (a GGUF's scales are float16, an
+    mlx-community model's often bfloat16), else bfloat16. A tiny model answered worse in the other one."""
+    counts: dict[str, int] = {}
+    leaves: Any = tree_flatten(model.parameters())
+    for _, v in leaves:
+        if v.dtype in (mx.float16, mx.bfloat16):
+            name = "float16" if v.dtype == mx.float16 else "bfloat16"
+            counts[name] = counts.get(name, 0) + int(v.size)
+    return max(counts, key=lambda k: counts[k]) if counts else "bfloat16"
+
+
 def parameter_count(model: Any) -> int:
     """Logical weights in ``model``; a quantized layer counts the values it packs, not its uint32 words."""
     total = 0
@@ -80,8 +92,9 @@ def parameter_count(model: Any) -> int:
 def choose_dtype(model: Any, requested: str, batch: int = 1) -> tuple[str, str]:
     """The dtype to compute in for ``requested`` (one of :data:`DTYPES`), ``batch`` records at once; and why.
 
-    ``auto``: on CUDA with ``batch`` > 1, bfloat16 when the bfloat16 weights fit in half the free GPU memory
-    (mlx's quantized matmuls cost grows with the batch there; bfloat16's barely does). Otherwise on a GPU the
+    ``auto``: on CUDA with ``batch`` > 1, the model's own 16-bit type (:func:`half_dtype`) when its 16-bit
+    weights fit in half the free GPU memory (mlx's quantized matmuls cost grows with the batch there; 16-bit
+    ones barely do). Otherwise on a GPU the
     quantized weights (as fast for one stream, 2-4x less memory). On a CPU float32 (mlx's quantized CPU
     kernels are slow and do not batch) when the float32 weights fit in half the free memory. Measurements:
     bench/RESULTS.md.
@@ -94,16 +107,11 @@ def choose_dtype(model: Any, requested: str, batch: int = 1) -> tuple[str, str]:
     if backend == "cuda" and batch > 1:
         need = parameter_count(model) * 2
         free = gpu_memory()
+        half = half_dtype(model)
         if free is not None and need > free // 2:
             gb = need / 1e9
-            return (
-                "quantized",
-                f"auto on cuda: bfloat16 weights ({gb:.1f} GB) exceed half the free GPU memory",
-            )
-        return (
-            "bfloat16",
-            "auto on cuda with --batch: bfloat16 weights (quantized matmuls do not batch there)",
-        )
+            return "quantized", f"auto on cuda: {half} weights ({gb:.1f} GB) exceed half the free GPU memory"
+        return half, f"auto on cuda with --batch: {half} weights (quantized matmuls do not batch there)"
     if backend is not None:
         return "quantized", f"auto on {backend}: quantized weights"
     need = parameter_count(model) * 4
@@ -118,12 +126,13 @@ def apply_dtype(model: Any, dtype: str) -> Any:
     """Turn ``model`` into ``dtype`` in place: dequantize with mlx-lm's helper, then cast floating weights.
 
     ``quantized`` keeps the quantized layers; on a GPU a model with float32 parameters (a GGUF's norms, say)
-    has its floating parameters cast to bfloat16 too, so that activations are not computed in float32.
+    has its floating parameters cast to its own 16-bit type (:func:`half_dtype`) too, so that activations
+    are not computed in float32.
     """
     if dtype == "quantized":
         leaves: Any = tree_flatten(model.parameters())
         if accelerator() is not None and any(v.dtype == mx.float32 for _, v in leaves):
-            model.set_dtype(mx.bfloat16)
+            model.set_dtype(_FLOATS[half_dtype(model)])
             mx.eval(model.parameters())
         return model
     if is_quantized(model):
