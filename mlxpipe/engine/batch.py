@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = ["AUTO_CPU", "AUTO_GPU", "Batch", "auto_size"]
 
-# --batch auto's sizes per backend: the CPU's from issue 6's and 19's runs (bench/RESULTS.md), the GPU's
-# where issue 10's H200 runs had batching well past its single stream.
-AUTO_CPU = 16
+# --batch auto's sizes per backend: the CPU's the fastest of bench/throughput.py's sizes, also beside a busy
+# process (bench/contention.py; issue 19 in bench/RESULTS.md), the GPU's where issue 10's H200 runs had
+# batching well past its single stream.
+AUTO_CPU = 64
 AUTO_GPU = 64
 _PROMPT_ALLOWANCE = 512  # prompt tokens assumed per record when sizing the KV caches
 
