@@ -1,20 +1,24 @@
 """Where a batched decode step goes, at B records: matrix products, the rest of the model, mlx-lm's
-BatchGenerator, mlxpipe's own per-token work; with the quantized several-row kernels and without.
+BatchGenerator, mlxpipe's own per-token work; setting by setting, side by side.
 
     PYTHONPATH=. flock -x /tmp/mlxpipe-cpu.lock python bench/batch_steps.py [--batch 2,16,64] [--rounds 2]
+        [--settings qgemm,argmax,amx]
 
-Per B and setting (``qgemm``: products of several rows from the quantized bytes, mlxpipe's threads;
-``blas``: those products by OpenBLAS on the float32 weights with its default threads, as before issue 19;
-``blas1``: the same with one OpenBLAS thread), minimum and median over the steps of:
+Settings: ``blas``: the products by OpenBLAS on the float32 weights with its default threads, as before
+issue 19; ``blas1``: the same with one OpenBLAS thread; ``qgemm``: products of several rows from the
+quantized bytes with the AVX-512 float32 kernels, mlx-lm's own decode step (the first issue-19 session);
+``argmax``: the same with greedy steps that skip mlx-lm's log-softmax; ``amx``: that, with products of 16
+rows or more on AMX tiles (the default where the CPU has AMX). Per B and setting, minimum and median over
+the steps of:
 
 - ``products``: the step's 211 weight products alone (the attached matrices, B random rows, through the
   same ``cblas_sgemm`` mlx calls);
 - ``model``: one bare forward step of B tokens with a KV cache, then argmax (``decode_steps``);
 - ``step``: one ``Batch.step()`` of ``mlxpipe.run``'s batched path with B records in flight (prefill steps
-  left out), split into mlx-lm's ``next_generated`` (graph, evaluation, its per-row sampling and
-  bookkeeping) and mlxpipe's own part (detokenizing, stop strings, events).
+  left out), split into mlx-lm's ``next_generated`` (graph, evaluation, sampling and bookkeeping) and
+  mlxpipe's own part (detokenizing, stop strings, events).
 
-The rounds alternate the settings. Greedy tokens of the bare steps are compared between the settings.
+The rounds alternate the settings. Greedy tokens of the bare steps are compared with the first setting's.
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ from decode_steps import decode_steps
 
 
 def use(setting: str, b: int) -> None:
-    """qgemm: the quantized kernels with mlxpipe's threads; blas: OpenBLAS with its default threads (as
-    before issue 19); blas1: OpenBLAS with one thread."""
-    gemv._shim.mlxpipe_qgemm_max_rows(gemv.MAX_ROWS if setting == "qgemm" else 0)
+    """Products, threads and decode step as ``setting`` says (see the module's docstring)."""
+    from mlxpipe.engine import batch as batch_module
+
+    gemv._shim.mlxpipe_qgemm_max_rows(0 if setting.startswith("blas") else gemv.MAX_ROWS)
+    gemv.use_amx(gemv.AMX_ROWS if setting == "amx" else 0)
+    batch_module.GREEDY_ARGMAX = setting in ("argmax", "amx")
     blas.use_threads(b)
-    if setting != "qgemm":
+    if setting.startswith("blas"):
         blas._library.openblas_set_num_threads(blas._library_threads if setting == "blas" else 1)
 
 
@@ -112,9 +119,11 @@ def main() -> None:
     parser.add_argument("--batch", default="2,16,64")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--settings", default="qgemm,argmax,amx", help="of blas, blas1, qgemm, argmax, amx")
     args = parser.parse_args()
     import mlx.core as mx
 
+    settings = args.settings.split(",")
     engine = Engine.load()
     print(f"load average before: {os.getloadavg()[0]:.2f}; BLAS {blas.setup().info().get('config')}")
     print(f"attached matrices: {engine.quantized_rows}; times in ms, min / median")
@@ -124,7 +133,7 @@ def main() -> None:
         prompt = mx.array([engine.tokenizer.encode(f"Tell me about the number {i}.")[:8] for i in range(b)])
         picked: dict[str, list[int]] = {}
         for _ in range(args.rounds):
-            for setting in ("blas", "blas1", "qgemm"):
+            for setting in settings:
                 use(setting, b)
                 prod = products(b, args.steps)
                 model = decode_steps(engine.model, prompt, args.steps)
@@ -136,9 +145,9 @@ def main() -> None:
                     f"| {b} | {setting} | {cells} | {b / statistics.median(step):.0f} |",
                     flush=True,
                 )
-        same = picked["blas"] == picked["qgemm"]
-        print(f"| {b} | greedy tokens of the bare steps equal in both settings: {same} |||||||")
-    use("qgemm", 1)
+        same = all(picked[s] == picked[settings[0]] for s in settings)
+        print(f"| {b} | greedy tokens of the bare steps equal in every setting: {same} |||||||")
+    use("amx", 1)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

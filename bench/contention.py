@@ -57,7 +57,8 @@ def decode_tps(threads: int, busy: bool, records: int, max_tokens: int) -> float
 
 def whole_run(batch: str, busy: bool, records: int, max_tokens: int) -> tuple[float, int, list[str]]:
     """(wall seconds, generated tokens, texts) of the whole command at ``--batch batch``."""
-    cmd = [sys.executable, "-m", "mlxpipe", "--jsonl", "--no-stream", "-n", str(max_tokens), "--batch", batch]
+    cmd = [sys.executable, "-m", "mlxpipe", "--out", "jsonl", "--no-stream", "-n", str(max_tokens)]
+    cmd += ["--batch", batch]
     stdin = "\n".join(f"{PROMPTS[i % len(PROMPTS)]} ({i})" for i in range(records)) + "\n"
     hog = multiprocessing.Process(target=spin, args=(900,)) if busy else None
     if hog:

@@ -3,7 +3,7 @@
     flock -x /tmp/mlxpipe-cpu.lock python bench/throughput.py [--records 64] [--sizes 1,4,8,16,32]
     flock -x /tmp/mlxpipe-cpu.lock python bench/throughput.py --whole --records 256 --sizes 1,default
 
-``--whole``: the real command as a user runs it on a file (``mlxpipe --jsonl --no-stream -n 32 FILE``,
+``--whole``: the real command as a user runs it on a file (``mlxpipe --out jsonl --no-stream -n 32 FILE``,
 model load included), ``default`` meaning no ``--batch`` flag at all (issue 19's annotation-job goal).
 
 One process, one loaded model (the CLI's default load), every size run on the same records through
@@ -117,7 +117,7 @@ def whole(prompts: list[str], sizes: list[str]) -> None:
         base_wall, base_texts = 0.0, []
         for size in sizes:
             flag = [] if size == "default" else ["--batch", size]
-            cmd = [sys.executable, "-m", "mlxpipe", "--jsonl", "--no-stream", "-n", "32", *flag, path]
+            cmd = [sys.executable, "-m", "mlxpipe", "--out", "jsonl", "--no-stream", "-n", "32", *flag, path]
             start = time.perf_counter()
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL)
             wall = time.perf_counter() - start

@@ -350,3 +350,40 @@ def test_batch_auto_size_is_the_backends_unless_the_kv_caches_would_not_fit() ->
     assert auto_size(model, 64, 1, on_gpu=False)[0] == 1  # never less than one
     assert auto_size(object(), 64, 1, on_gpu=False)[0] == AUTO_CPU  # shape unknown: the backend's size
     assert auto_size(model, 64, None, on_gpu=False)[0] == AUTO_CPU  # free memory unknown
+
+
+@pytest.mark.model
+def test_greedy_batches_skip_the_log_softmax_and_pick_mlx_lms_tokens(engine, monkeypatch) -> None:
+    # A greedy batch's decode steps take the argmax of the logits: no log-softmax over the vocabulary (no
+    # event carries log-probabilities), the same tokens as mlx-lm's own step. A sampled record in the batch
+    # puts every step back on mlx-lm's.
+    import mlx.core as mx
+
+    from mlxpipe.engine import batch as batch_module
+    from mlxpipe.reader import records_from_objects
+
+    calls: list[int] = []
+    real = mx.logsumexp
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mx, "logsumexp", counted)
+
+    def answers(sampled: bool) -> tuple[list[str], int]:
+        calls.clear()
+        objects: list[Any] = [{"prompt": p} for p in PROMPTS[:3]]
+        objects += [{"prompt": PROMPTS[3], "temperature": 1.0, "seed": 3}] * sampled
+        records = records_from_objects(objects, Settings(max_tokens=8))
+        texts = [e.text for e in run(records, engine, batch=4) if isinstance(e, Done)]
+        return texts, len(calls)
+
+    monkeypatch.setattr(batch_module, "GREEDY_ARGMAX", False)
+    plain, plain_calls = answers(sampled=False)
+    monkeypatch.setattr(batch_module, "GREEDY_ARGMAX", True)
+    greedy, greedy_calls = answers(sampled=False)
+    assert greedy == plain and all(greedy)
+    assert plain_calls >= 7 and greedy_calls <= 3  # only each record's first token, at the end of its prompt
+    mixed, mixed_calls = answers(sampled=True)
+    assert mixed[:3] == greedy and mixed_calls >= 7

@@ -312,3 +312,71 @@ def test_quantized_products_of_several_rows_match_numpy(openblas: Any) -> None:
     c, quantized = product(w, x[:2], 1.0)
     assert not quantized
     np.testing.assert_allclose(c, x[:2].astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4 * np.abs(c).max())
+
+
+def test_amx_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -> None:
+    shim = ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL)  # a copy of its own: its table starts empty
+    if not shim.mlxpipe_qgemv_available() or not shim.mlxpipe_qgemm_amx(2):
+        pytest.skip("no AMX (bfloat16 tiles) for this process")
+    shim.mlxpipe_qgemm_max_rows(1 << 30)  # (the same library as the tests' above, if they loaded it)
+    assert shim.mlxpipe_gemv_init(
+        ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
+    )
+    ptr = ctypes.c_void_p
+    rng = np.random.default_rng(17)
+
+    def product(w: np.ndarray, x: np.ndarray, alpha: float = 1.0) -> np.ndarray:
+        (n, k), m = w.shape, x.shape[0]
+        c = np.full((m, n + 3), 7.0, np.float32)
+        shim.cblas_sgemm(
+            ROW_MAJOR, NO_TRANS, TRANS, m, n, k, ctypes.c_float(alpha), ptr(x.ctypes.data), x.strides[0] // 4,
+            ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(c.ctypes.data), n + 3,
+        )  # fmt: skip
+        assert (c[:, n:] == 7.0).all()  # nothing written past each row
+        return c[:, :n]
+
+    # Whole and partial tiles of 16 rows of W; 4 and 8 bits; the helper thread or not; 300 rows: two passes.
+    shapes = [(1536, 576, 4), (193, 576, 4), (576, 1536, 4), (4096, 576, 8), (97, 512, 8)]
+    for (n, k, bits), threads in itertools.product(shapes, [1, 2]):
+        shim.mlxpipe_qgemm_threads(threads)
+        w, packed, scales, biases = _quantized(rng, n, k, bits)
+        assert shim.mlxpipe_qgemv_register(
+            ptr(w.ctypes.data), n, k, bits, 32, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
+            ptr(biases.ctypes.data),
+        )  # fmt: skip
+        x = rng.standard_normal((300, k + 5)).astype(np.float32)[:, :k]  # a row stride other than k
+        for m in [2, 17, 64, 300]:
+            want = 0.5 * (x[:m].astype(np.float64) @ w.T.astype(np.float64))
+            together = product(w, x[:m], 0.5)
+            # float32's precision: x is split into three bfloat16 parts, q is exact in bfloat16
+            np.testing.assert_allclose(together, want, rtol=1e-5, atol=2e-6 * np.abs(want).max())
+            # A row's sums do not depend on the rows beside it (its tile's other columns, the pass it is in).
+            alone = product(w, np.ascontiguousarray(x[[m - 1, 0]]), 0.5)
+            assert (alone[0] == together[m - 1]).all() and (alone[1] == together[0]).all()
+    # Groups other than 32 stay on the float32 kernels: a row's sums are the one-row kernel's.
+    w, packed, scales, biases = _quantized(rng, 64, 512, 4, 64)
+    assert shim.mlxpipe_qgemv_register(
+        ptr(w.ctypes.data),
+        64,
+        512,
+        4,
+        64,
+        ptr(packed.ctypes.data),
+        ptr(scales.ctypes.data),
+        ptr(biases.ctypes.data),
+    )
+    x = rng.standard_normal((20, 512)).astype(np.float32)
+    assert (product(w, x)[5] == product(w, x[5:6])[0]).all()
+    shim.mlxpipe_qgemm_amx(0)
+    w, packed, scales, biases = _quantized(rng, 64, 512, 4)
+    assert shim.mlxpipe_qgemv_register(
+        ptr(w.ctypes.data),
+        64,
+        512,
+        4,
+        32,
+        ptr(packed.ctypes.data),
+        ptr(scales.ctypes.data),
+        ptr(biases.ctypes.data),
+    )
+    assert (product(w, x)[5] == product(w, x[5:6])[0]).all()  # MLXPIPE_AMX=off: the one-row kernel's sums

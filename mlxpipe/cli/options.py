@@ -252,7 +252,7 @@ OPTIONS: tuple[Option, ...] = (
         "generation",
         "Generate up to N records at once (continuous batching); output stays in input order. auto (the "
         "default): one record at a time when reading a terminal or with --chat, else the backend's "
-        "batch size (16 on a CPU, 64 on a GPU) as far as memory allows (--model-info and --stats say "
+        "batch size (64 on a CPU or a GPU) as far as memory allows (--model-info and --stats say "
         "which); 1: one after another.",
         metavar="N",
         type=batch_size,

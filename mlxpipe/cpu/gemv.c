@@ -24,6 +24,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#include <cpuid.h>
 #define X86_AVX512 1
 #endif
 enum { ROW_MAJOR = 101, COL_MAJOR = 102, NO_TRANS = 111, TRANS = 112 };
@@ -287,6 +288,172 @@ __attribute__((target("avx512f,avx512bw,fma"))) static void span(const qmat *m, 
     if (m->group == 32) span_group(m, 32, x, xsum, rows, r0, r1, c, ldc);
     else span_group(m, m->group, x, xsum, rows, r0, r1, c, ldc);
 }
+
+/* ---- the same products on AMX tiles (bfloat16), where the CPU has them ---------------------------------
+ * Past ~16 rows the float32 kernels above are compute-bound. AMX multiplies 16x32 bfloat16 tiles in one
+ * instruction: a tile of 16 rows of W (their quantized values q, exact in bfloat16) by one of x for 16 rows
+ * of A and one group, giving each (row of W, row of A) its group's q . x in float32, which is scaled then as
+ * the 8-bit kernels do: scale * (q . x) + bias * sum(x). x is split into three bfloat16 parts (hi + mid +
+ * lo == x), so only the order of the float32 sums differs from the one-row kernels: a row's results still
+ * depend on nothing but that row, yet may differ in the last bits from what qgemv gives it alone. */
+static int amx_min_rows = 1 << 30; /* products of fewer rows keep the kernels above (huge: AMX off) */
+static int amx_state;              /* 0 not asked yet, 1 usable, -1 not */
+
+static int amx_usable(void) {
+    if (amx_state) return amx_state > 0;
+    unsigned a, b, c, d, a1 = 0, b1, c1, d1;
+    int ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1) && /* AMX-TILE, -BF16 */
+             __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && (a1 >> 5 & 1) &&               /* AVX512_BF16 */
+             mlxpipe_qgemv_available();
+    /* Linux hands a process the tiles' state only when asked (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
+    if (ok) ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    amx_state = ok ? 1 : -1;
+    return ok;
+}
+
+/* Products of at least `rows` rows go to AMX where the CPU has it (0: never); whether it has it. */
+int mlxpipe_qgemm_amx(int rows) {
+    int ok = amx_usable();
+    amx_min_rows = ok && rows > 0 ? rows : 1 << 30;
+    return ok;
+}
+
+enum { TILE = 1024 }; /* bytes of one tile: 16 rows of 64 */
+
+/* A's rows, once a product, as AMX's second operand: per group g and block of 16 rows, three 16x16 tiles
+ * of dword pairs (hi, mid, lo; pair p of a row = its values 2p, 2p + 1 in the group's order, the 4-bit
+ * layout's low nibbles then high ones), then the rows' group sums (16 floats). Rows past M are zeros. */
+__attribute__((target("avx512f,avx512bw,avx512bf16,fma"))) static void
+amx_pack(const qmat *m, int M, const float *a, int lda, uint8_t *xt, float *xs, int blocks) {
+    int groups = m->k / 32;
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512i gather = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    uint32_t rows[3][256] __attribute__((aligned(64))); /* [part][row i][pair p] */
+    for (int ib = 0; ib < blocks; ib++)
+        for (int g = 0; g < groups; g++) {
+            float *sums = xs + ((long)g * blocks + ib) * 16;
+            for (int i = 0; i < 16; i++) {
+                int row = ib * 16 + i;
+                __m512 v0 = _mm512_setzero_ps(), v1 = v0;
+                if (row < M) {
+                    v0 = _mm512_loadu_ps(a + (long)row * lda + g * 32);
+                    v1 = _mm512_loadu_ps(a + (long)row * lda + g * 32 + 16);
+                }
+                sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+                if (m->bits == 4) { /* the group's even columns, then its odd ones */
+                    __m512 e = _mm512_permutex2var_ps(v0, even, v1), o = _mm512_permutex2var_ps(v0, odd, v1);
+                    v0 = e, v1 = o;
+                }
+                for (int part = 0; part < 3; part++) {
+                    __m512i h = (__m512i)_mm512_cvtne2ps_pbh(v1, v0); /* v0 -> low 16, v1 -> high 16 */
+                    _mm512_store_si512((__m512i *)rows[part] + i, h);
+                    /* what that part holds, back in float32: the rest goes to the next part */
+                    __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+                    __m512 h1 = _mm512_castsi512_ps(
+                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+                    v0 = _mm512_sub_ps(v0, h0), v1 = _mm512_sub_ps(v1, h1);
+                }
+            }
+            /* a tile's row p holds pair p of each of the 16 rows (AMX's layout for its second operand) */
+            uint8_t *tiles = xt + ((long)g * blocks + ib) * 3 * TILE;
+            for (int part = 0; part < 3; part++)
+                for (int p = 0; p < 16; p++)
+                    _mm512_store_si512((__m512i *)(tiles + part * TILE) + p,
+                                       _mm512_i32gather_epi32(_mm512_add_epi32(gather, _mm512_set1_epi32(p)),
+                                                              rows[part], 4));
+        }
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* 16 rows of W from nb (rows past `valid` zeros), group g, as bfloat16 q (exact) in a tile's 16 rows of 32:
+ * 4 bits as the low nibbles, then the high ones (amx_pack orders x alike). */
+__attribute__((target("avx512f,avx512bw,avx512bf16,fma"), always_inline)) static inline void
+amx_decode(const qmat *m, long stride, int nb, int valid, int g, uint16_t *wt) {
+    for (int n = 0; n < 16; n++) {
+        __m512 lo = _mm512_setzero_ps(), hi = lo;
+        if (n < valid) {
+            const uint8_t *q = m->q + (nb + n) * stride;
+            if (m->bits == 4) {
+                __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 16)));
+                lo = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(15)));
+                hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
+            } else {
+                lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32))));
+                hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + 16))));
+            }
+        }
+        _mm512_store_si512((__m512i *)wt + n, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* acc (16 rows of W x 16 of A) += scale * dots + bias * sums for the rows of W from nb (`valid` of them). */
+__attribute__((target("avx512f,fma"), always_inline)) static inline void
+amx_scale(const qmat *m, int groups, int nb, int valid, int g, const float *dots, __m512 sums, float *acc) {
+    for (int n = 0; n < valid; n++) {
+        long at = (long)(nb + n) * groups + g;
+        __m512 v = _mm512_fmadd_ps(_mm512_load_ps(dots + n * 16), _mm512_set1_ps(m->scales[at]),
+                                   _mm512_loadu_ps(acc + n * 16));
+        _mm512_storeu_ps(acc + n * 16, _mm512_fmadd_ps(sums, _mm512_set1_ps(m->biases[at]), v));
+    }
+}
+
+/* Rows [r0, r1) of c from the packed A: 32 rows of W at a time (two tiles, decoded once a group for every
+ * block of A), whose two chains of products share A's tiles and run side by side: one chain alone waited on
+ * each product's latency (the tiles' throughput is ~3x that). */
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,fma"))) static void
+amx_rows(const qmat *m, const uint8_t *xt, const float *xs, int blocks, int M, float *c, int ldc, int r0, int r1) {
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+    int k = m->k, groups = k / 32;
+    long stride = (long)k * m->bits / 8;
+    uint16_t wt[2][16 * 32] __attribute__((aligned(64)));
+    float dots[2][256] __attribute__((aligned(64)));
+    float acc[blocks * 512]; /* [block][row of W (32)][row of A] */
+    for (int nb = r0; nb < r1; nb += 32) {
+        int valid = r1 - nb < 16 ? r1 - nb : 16, valid2 = r1 - nb - 16 < 0 ? 0 : r1 - nb - 16 < 16 ? r1 - nb - 16 : 16;
+        memset(acc, 0, sizeof acc);
+        for (int g = 0; g < groups; g++) {
+            amx_decode(m, stride, nb, valid, g, wt[0]);
+            amx_decode(m, stride, nb + 16, valid2, g, wt[1]);
+            _tile_loadd(0, wt[0], 64);
+            _tile_loadd(6, wt[1], 64);
+            for (int ib = 0; ib < blocks; ib++) {
+                const uint8_t *x = xt + ((long)g * blocks + ib) * 3 * TILE;
+                _tile_zero(1);
+                _tile_zero(5);
+                _tile_loadd(2, x, 64);
+                _tile_loadd(3, x + TILE, 64);
+                _tile_loadd(4, x + 2 * TILE, 64);
+                _tile_dpbf16ps(1, 0, 2);
+                _tile_dpbf16ps(5, 6, 2);
+                _tile_dpbf16ps(1, 0, 3);
+                _tile_dpbf16ps(5, 6, 3);
+                _tile_dpbf16ps(1, 0, 4);
+                _tile_dpbf16ps(5, 6, 4);
+                _tile_stored(1, dots[0], 64);
+                _tile_stored(5, dots[1], 64);
+                /* the group's scale and bias: scale * (q . x) + bias * sum(x) */
+                __m512 sums = _mm512_loadu_ps(xs + ((long)g * blocks + ib) * 16);
+                amx_scale(m, groups, nb, valid, g, dots[0], sums, acc + ib * 512);
+                amx_scale(m, groups, nb + 16, valid2, g, dots[1], sums, acc + ib * 512 + 256);
+            }
+        }
+        for (int ib = 0; ib < blocks; ib++)
+            for (int i = 0; i < 16 && ib * 16 + i < M; i++)
+                for (int n = 0; n < valid + valid2; n++) c[(long)(ib * 16 + i) * ldc + nb + n] = acc[ib * 512 + n * 16 + i];
+    }
+    _tile_release();
+}
 #endif
 
 /* Whether this machine has the kernels above: only then is registering worth it. */
@@ -383,6 +550,9 @@ typedef struct {
     const float *a;
     float *c;
     int M, lda, ldc, stretch, stretches;
+    const uint8_t *xt; /* A packed for AMX (amx_pack), or null: the float32 kernels */
+    const float *xs;
+    int blocks;
     atomic_int next, done, failed, sleeping;
 } job_t;
 
@@ -404,7 +574,8 @@ static int work(job_t *j) {
     int count = 0;
     for (int s; (s = atomic_fetch_add(&j->next, 1)) < j->stretches; count++) {
         int r0 = s * j->stretch, r1 = r0 + j->stretch < j->m->n ? r0 + j->stretch : j->m->n;
-        if (!qgemm_rows(j->m, j->M, j->a, j->lda, j->c, j->ldc, r0, r1)) atomic_store(&j->failed, 1);
+        if (j->xt) amx_rows(j->m, j->xt, j->xs, j->blocks, j->M, j->c, j->ldc, r0, r1);
+        else if (!qgemm_rows(j->m, j->M, j->a, j->lda, j->c, j->ldc, r0, r1)) atomic_store(&j->failed, 1);
         atomic_fetch_add(&j->done, 1);
         if (atomic_load(&j->sleeping)) futex(&j->done, FUTEX_WAKE_PRIVATE, 1);
     }
@@ -449,6 +620,14 @@ enum { SHARED_MIN = 1 << 21 }; /* multiply-adds worth waking the helper for (a 5
 /* c (M x n, stride ldc) = alpha a (M x k, stride lda) W^T for a registered W; 0 when it cannot. */
 static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, float *c, int ldc) {
 #ifdef X86_AVX512
+    enum { AMX_CHUNK = 256 }; /* rows of A packed at a time (a prompt's product can have thousands) */
+    if (M > AMX_CHUNK && M >= amx_min_rows && m->group == 32) {
+        for (int i0 = 0; i0 < M; i0 += AMX_CHUNK) /* a row's sums do not depend on the rows beside it */
+            if (!qgemm(m, M - i0 < AMX_CHUNK ? M - i0 : AMX_CHUNK, a + (long)i0 * lda, lda, alpha, c + (long)i0 * ldc,
+                       ldc))
+                return 0;
+        return 1;
+    }
     int n = m->n;
     long row_bytes = (long)m->k * m->bits / 8 + 2L * (m->k / m->group) * sizeof(float);
     int stretch = (int)(CHUNK / row_bytes);
@@ -463,11 +642,32 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
         if (n / 16 + 1 < stretch) stretch = n / 16 + 1;
     }
     if (stretch < 1) stretch = 1;
+    const uint8_t *xt = 0;
+    const float *xs = 0;
+    int blocks = (M + 15) / 16;
+    if (M >= amx_min_rows && m->group == 32) { /* A packed once for every stretch, of both threads */
+        static __thread uint8_t *packed;
+        static __thread float *packed_sums;
+        static __thread long packed_len;
+        long need = (long)blocks * (m->k / 32);
+        if (need > packed_len) {
+            free(packed), free(packed_sums);
+            packed = aligned_alloc(64, need * 3 * TILE);
+            packed_sums = malloc(need * 16 * sizeof(float));
+            packed_len = packed && packed_sums ? need : 0;
+        }
+        if (packed_len) {
+            amx_pack(m, M, a, lda, packed, packed_sums, blocks);
+            xt = packed, xs = packed_sums;
+            stretch = stretch < 32 ? 32 : stretch / 32 * 32; /* whole pairs of tiles of W */
+        }
+    }
     job_t mine = {.m = m, .a = a, .c = c, .M = M, .lda = lda, .ldc = ldc, .stretch = stretch};
     job_t *j = shared ? &job : &mine;
     if (shared) {
         j->m = m, j->a = a, j->c = c, j->M = M, j->lda = lda, j->ldc = ldc, j->stretch = stretch;
     }
+    j->xt = xt, j->xs = xs, j->blocks = blocks;
     j->stretches = (n + stretch - 1) / stretch;
     atomic_store(&j->next, 0);
     atomic_store(&j->done, 0);

@@ -13,7 +13,10 @@ A float32 weight matrix that was dequantized from mlx's 4- or 8-bit form can be 
 form (by the engine): one-row products by it then read the quantized bytes, on machines with AVX-512, and so
 do products of several rows (``--batch`` decode steps, prompts), each row summed exactly as the one-row
 kernels sum it alone (so a record's numbers do not depend on its neighbours, nor on how its prompt is cut).
-``MLXPIPE_QGEMM=off`` keeps those several-row products on the BLAS.
+``MLXPIPE_QGEMM=off`` keeps those several-row products on the BLAS. Where the CPU has AMX (bfloat16 tiles),
+products of ``AMX_ROWS`` rows or more use it instead: a row's sums then still depend on that row alone, but
+are added in another order than the one-row kernels add them (the last bits can differ from ``--batch 1``'s);
+``MLXPIPE_AMX=off`` keeps them on the AVX-512 kernels.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from ..paths import cache_dir
 from ..switches import setting, turned_off
 
 __all__ = [
+    "AMX_ENV",
+    "AMX_ROWS",
     "ENV",
     "MAX_ROWS",
     "NO_COMPILER",
@@ -45,11 +50,14 @@ __all__ = [
     "quantized_available",
     "quantized_batch_calls",
     "quantized_calls",
+    "use_amx",
     "use_threads",
 ]
 
 ENV = "MLXPIPE_GEMV"
 QGEMM_ENV = "MLXPIPE_QGEMM"
+AMX_ENV = "MLXPIPE_AMX"
+AMX_ROWS = 16  # fewer rows than this: the AVX-512 kernels were faster (bench/RESULTS.md, issue 19)
 NO_COMPILER = "no C compiler (cc) found"
 MAX_ROWS = 1 << 30  # every product by an attached matrix: a row's sums never depend on the batch or prompt
 _SOURCE = Path(__file__).with_name("gemv.c")
@@ -75,6 +83,7 @@ def install(blas: Any) -> str:
         if not shim.mlxpipe_gemv_init(sgemm, sgemv):
             return "not used: the BLAS's functions could not be found"
         shim.mlxpipe_qgemm_max_rows(0 if turned_off(QGEMM_ENV) else MAX_ROWS)
+        shim.mlxpipe_qgemm_amx(0 if turned_off(AMX_ENV) else AMX_ROWS)
         global _shim
         _shim = _open(path, ctypes.RTLD_GLOBAL)  # promoted now: it comes before the BLAS in the global scope
     except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError) as exc:
@@ -197,6 +206,12 @@ def use_threads(threads: int) -> None:
     helper, which sleeps between products and is left out for a while when it does not get a core)."""
     if _shim is not None:
         _shim.mlxpipe_qgemm_threads(max(1, threads))
+
+
+def use_amx(rows: int) -> bool:
+    """Send products of at least ``rows`` rows by attached matrices to AMX (0: never); whether the CPU (and
+    the kernel) let this process use it."""
+    return _shim is not None and bool(_shim.mlxpipe_qgemm_amx(rows))
 
 
 def quantized_batch_calls() -> int:

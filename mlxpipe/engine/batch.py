@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.sample_utils import greedy_sampler
 
 from ..errors import RecordError
 from ..events import Chunk, Done, Error, decode_tps
@@ -24,9 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = ["AUTO_CPU", "AUTO_GPU", "Batch", "auto_size"]
 
-# --batch auto's sizes per backend: the CPU's from issue 6's and 19's runs (bench/RESULTS.md), the GPU's
-# where issue 10's H200 runs had batching well past its single stream.
-AUTO_CPU = 16
+# --batch auto's sizes per backend: the CPU's the fastest of bench/throughput.py's sizes, also beside a busy
+# process (bench/contention.py; issue 19 in bench/RESULTS.md), the GPU's where issue 10's H200 runs had
+# batching well past its single stream.
+AUTO_CPU = 64
 AUTO_GPU = 64
 _PROMPT_ALLOWANCE = 512  # prompt tokens assumed per record when sizing the KV caches
 
@@ -49,6 +51,38 @@ def auto_size(model: Any, max_tokens: int, free_memory: int | None, on_gpu: bool
             size = fits
             why = f"the KV caches of {fits} records fit in half the free memory"
     return size, why
+
+
+# Off only in bench/batch_steps.py, to measure mlx-lm's own step beside _Greedy's.
+GREEDY_ARGMAX = True
+_NO_LOGPROBS = mx.zeros((0,))  # what a step that skipped the log-softmax hands back as a row's logprobs
+
+
+class _Greedy(GenerationBatch):
+    """mlx-lm's decoding batch, whose steps skip the log-softmax over the vocabulary while every row is
+    greedy with no logits processor: the argmax of the logits is the argmax of the log-probabilities, and no
+    event carries log-probabilities. Any other batch steps as mlx-lm's does."""
+
+    def _step(self) -> tuple[list[int], list[mx.array]]:
+        b: Any = self  # mlx-lm's attributes, typed loosely there
+        if not GREEDY_ARGMAX or not b.samplers or any(b.logits_processors):
+            return super()._step()
+        if any(s is not greedy_sampler for s in b.samplers):
+            return super()._step()
+        # mlx-lm's GenerationBatch._step without the logsumexp (20-90 ms a step at 16-64 rows on a CPU)
+        b._current_tokens = b._next_tokens
+        b._current_logprobs = b._next_logprobs
+        inputs = b._current_tokens
+        logits = b.model(inputs[:, None], cache=b.prompt_cache)[:, -1, :]
+        b._next_tokens = mx.argmax(logits, axis=-1)
+        b._next_logprobs = [_NO_LOGPROBS] * len(b.uids)
+        # mlx-lm's order: start computing the next step, then wait for this one's tokens
+        mx.async_eval(b._next_tokens)  # type: ignore[no-untyped-call]
+        mx.eval(inputs, b._current_logprobs)
+        tokens: list[int] = inputs.tolist()
+        for seen, token in zip(b.tokens, tokens, strict=True):
+            seen.append(token)
+        return tokens, b._current_logprobs
 
 
 @dataclass
@@ -85,6 +119,8 @@ class Batch:
             prefill_batch_size=size,
             prefill_step_size=engine.prefill_step,
         )
+        # Every decoding row joins this one batch (mlx-lm extends it), so its steps are _Greedy's.
+        self._gen._generation_batch = _Greedy.empty(engine.model, self._gen.sampler)
         self._slots: dict[int, _Slot] = {}
         self._ready: list[Chunk | Done | Error] = []  # events of records answered without decoding (choices)
         self._ready_records = 0
