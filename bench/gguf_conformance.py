@@ -67,6 +67,7 @@ def build(arch: str, folder: Path) -> Path:
     return write_gguf(
         folder / f"{arch}-F32.gguf", real, tok, hidden=256, layers=6 if real == "gemma3" else 4, heads=4,
         kv_heads=2, ffn=512, rope_freqs=arch == "llama3", scale=SCALE, tied=real != "phi3", seed=7,
+        output_noise=SCALE / 2,  # phi3's untied output near its embedding: margins as clear as a tied one's
     )  # fmt: skip
 
 
@@ -89,8 +90,11 @@ def quantize(src: Path, qtype: str) -> Path:
     return dst
 
 
-def llama_cpp_run(path: Path, prompt: str) -> tuple[list[int], list[int], np.ndarray]:
-    """llama.cpp: prompt tokens, greedy continuation, and the logits before each continuation token."""
+def llama_cpp_run(
+    path: Path, prompt: str, follow: list[int] | None = None
+) -> tuple[list[int], list[int], np.ndarray]:
+    """llama.cpp: prompt tokens, greedy continuation, and the logits before each continuation token (along
+    the tokens ``follow`` instead of its own picks where given)."""
     import llama_cpp
 
     llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False, n_batch=256)
@@ -103,7 +107,7 @@ def llama_cpp_run(path: Path, prompt: str) -> tuple[list[int], list[int], np.nda
         row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
         logits.append(row)
         out.append(int(row.argmax()))
-        llm.eval([out[-1]])
+        llm.eval([out[-1] if follow is None else follow[len(out) - 1]])
     llm.close()
     return tokens, out, np.stack(logits)
 
@@ -124,6 +128,31 @@ def mlx_run(path: Path, prompt_tokens: list[int], path_tokens: list[int], prompt
     stream = mlx_lm.stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=STEPS)
     greedy = [r.token for r in stream]
     return ours, greedy, logits
+
+
+def parting(path: Path, prompt: str, ptoks: list[int], ours: list[int], theirs: list[int]) -> str:
+    """Where two greedy runs part, and why: each engine's two best tokens and their margin at that step (same
+    prefix, llama.cpp's path), on the file and on its weights dequantized to F32 by gguf-py (the same weights
+    with float activations: llama.cpp's quantized activations, and mlxpipe's requantized 16-weight-group
+    K-quants, out of the comparison)."""
+    from gguf_factory import dequantized_copy
+
+    k = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
+    exact = path.with_name(path.stem + "-dequantized.gguf")
+    if not exact.exists():
+        dequantized_copy(path, exact)
+
+    def top2(row: np.ndarray) -> str:
+        a, b = np.argsort(row)[::-1][:2]
+        return f"{a} > {b} by {row[a] - row[b]:.3f}"
+
+    rows = {
+        "llama.cpp": llama_cpp_run(path, prompt, theirs)[2],
+        "mlxpipe": mlx_run(path, ptoks, theirs, prompt)[2],
+        "llama.cpp F32": llama_cpp_run(exact, prompt, theirs)[2],
+        "mlxpipe F32": mlx_run(exact, ptoks, theirs, prompt)[2],
+    }
+    return f"parted at step {k}: " + "; ".join(f"{name} {top2(r[k])}" for name, r in rows.items())
 
 
 def main() -> None:
@@ -159,6 +188,9 @@ def main() -> None:
                     agree += int((logits.argmax(axis=1) == ref.argmax(axis=1)).sum())
                     total += len(theirs)
                     diff = max(diff, float(np.abs(logits[0] - ref[0]).max()))
+                    if ours_g != theirs:
+                        why = parting(path, prompt, ptoks, ours_g, theirs)
+                        print(f"  {arch} {qtype} {prompt[:20]!r}: {why}", flush=True)
                     spread = max(spread, float(ref[0].max() - ref[0].min()))
                 size = sum(f.stat().st_size for f in folder.iterdir()) / 1e6
                 row = (f"| {arch} | {qtype} | {path.stat().st_size / 1e6:.1f} | {size:.1f} | "
