@@ -3,6 +3,8 @@
 Used by the tests (tiny shapes, fast) and by bench/gguf_conformance.py (larger, quantized by llama.cpp).
 Tokenizers: a tiny byte-level BPE (256 byte tokens, a few merges, chat specials), any vocabulary and merges
 given (the bench passes the embedded SmolLM2's), or a SentencePiece model trained here with sentencepiece.
+``dequantized_copy`` turns any GGUF into an F32 one with the same metadata (real weights to quantize afresh,
+or a quantized file's own weights for llama.cpp to run in float arithmetic).
 """
 
 from __future__ import annotations
