@@ -3,6 +3,8 @@
 Used by the tests (tiny shapes, fast) and by bench/gguf_conformance.py (larger, quantized by llama.cpp).
 Tokenizers: a tiny byte-level BPE (256 byte tokens, a few merges, chat specials), any vocabulary and merges
 given (the bench passes the embedded SmolLM2's), or a SentencePiece model trained here with sentencepiece.
+``dequantized_copy`` turns any GGUF into an F32 one with the same metadata (real weights to quantize afresh,
+or a quantized file's own weights for llama.cpp to run in float arithmetic).
 """
 
 from __future__ import annotations
@@ -139,12 +141,17 @@ def write_gguf(
     tied: bool = True,
     seed: int = 0,
     scale: float = 1.0,
+    output_noise: float | None = None,
     qtype: Any = None,
     quantize: Any = None,
 ) -> Path:
     """Write a random-weight GGUF of ``arch`` with llama.cpp's tensor names and metadata keys.
 
-    ``scale`` multiplies the weights' usual 1/sqrt(fan_in) spread (larger gives sharper logits); ``qtype`` (a
+    ``scale`` multiplies the weights' usual 1/sqrt(fan_in) spread (larger gives sharper logits); the embedding
+    (a tied model's output) has spread ``scale``. An untied output is random like the other matrices, which
+    gives flat logits (top-2 margins below llama.cpp's activation noise), or with ``output_noise`` the
+    embedding plus noise of that spread: margins as clear as a tied model's, whose output is its input's
+    embedding. ``qtype`` (a
     gguf-py type gguf-py can quantize, e.g. Q8_0) is applied to the 2-D weights, else they are F32.
     """
     import gguf
@@ -206,10 +213,17 @@ def write_gguf(
         else:
             w.add_tensor(name, data)
 
-    add("token_embd.weight", (rng.standard_normal((vocab, hidden)) * scale).astype(np.float32))
+    embedding = (rng.standard_normal((vocab, hidden)) * scale).astype(np.float32)
+    add("token_embd.weight", embedding)
     add("output_norm.weight", norm(hidden))
     if not tied or arch == "phi3":
-        add("output.weight", mat(vocab, hidden))
+        if output_noise is None:
+            add("output.weight", mat(vocab, hidden))
+        else:
+            add(
+                "output.weight",
+                embedding + (rng.standard_normal((vocab, hidden)) * output_noise).astype(np.float32),
+            )
     if rope_freqs:
         # Llama 3.1's scaling (factor 8, low 1, high 4, 8192) as llama.cpp's converter bakes it into a tensor.
         from mlxpipe.models.gguf.config import llama3_factors
@@ -257,3 +271,32 @@ def mlx_folder_from_gguf(gguf_path: Path, out: Path) -> Path:
 
     convert_gguf(gguf_path, out)
     return out
+
+
+def dequantized_copy(src: Path, dst: Path) -> Path:
+    """Write ``dst``: ``src`` with the same metadata and every tensor dequantized to F32 by gguf-py (the
+    reference dequantizer), e.g. to quantize real weights to another type or to run a file's exact weights
+    without llama.cpp's quantized activations."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.get_field("general.architecture")
+    assert arch is not None
+    w = gguf.GGUFWriter(str(dst), str(arch.contents()))
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        if field.name == "general.file_type":
+            value = int(gguf.LlamaFileType.ALL_F32)
+        w.add_key_value(field.name, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -252,3 +252,25 @@ def test_engine_on_5_and_8_bit_layers_matches_the_quantized_model(tmp_path: Path
         # Float32 against mlx's quantized kernels: rounding differs, a misread weight would not be this close.
         assert np.abs(ours - theirs).max() < 2e-3 * np.abs(theirs).max()
         assert ours.argmax() == theirs.argmax()
+
+
+def test_dequantized_copy_is_the_same_model_in_f32(tmp_path: Path) -> None:
+    # The benches' float reference (llama.cpp on a file's weights without its quantized activations).
+    from gguf_factory import dequantized_copy
+
+    src = write_gguf(tmp_path / "q8.gguf", "llama", tiny_bpe(), qtype=T.Q8_0)
+    dst = dequantized_copy(src, tmp_path / "f32.gguf")
+    before, after = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(dst))
+    for t, u in zip(before.tensors, after.tensors, strict=True):
+        assert (t.name, list(t.shape)) == (u.name, list(u.shape)) and u.tensor_type == T.F32
+        np.testing.assert_array_equal(
+            np.array(u.data).reshape(-1), gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)
+        )
+    kept = [k for k in before.fields if k != "general.file_type"]
+    assert [k for k in after.fields if k != "general.file_type"] == kept
+    assert after.get_field("tokenizer.ggml.tokens").contents() == tiny_bpe()["tokens"]
+    convert_gguf(src, tmp_path / "a")
+    convert_gguf(dst, tmp_path / "b")
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (
+        tmp_path / "b" / "tokenizer.json"
+    ).read_bytes()

@@ -100,7 +100,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             raise ModelError(f"cannot write converted model to {out_dir}: {e}") from None
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
+    tokenizer.save(str(out_dir / "tokenizer.json"), pretty=False)  # indented, it is twice the size
 
 
 def _supported_names() -> set[str]:
