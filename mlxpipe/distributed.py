@@ -65,16 +65,20 @@ import hashlib
 import json
 import os
 import queue
+import socket
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, cast
 
+from . import link
 from .cpu import mlx_core
 from .events import FINAL_EVENTS, Chunk, Done, Error, Event
 from .interface import EngineLike, ShouldStop
 from .records import BadRecord, Record
+from .switches import turned_off
 
 _KINDS: dict[str, type[Chunk] | type[Done] | type[Error]] = {"chunk": Chunk, "done": Done, "error": Error}
 
@@ -102,21 +106,56 @@ class Ranks:
         self.stop_signal = 0  # set by :func:`run` when some rank was interrupted by a signal
         self.gathers = 0
         self.gather_seconds = 0.0  # waiting for the slowest rank included
+        self.star: link.Star | None = None  # the ranks' own TCP link, once every rank has joined it
+        self.threaded = False  # gather may be called from a helper thread (not through mlx)
         self._stream: Any = None
 
     @classmethod
     def init(cls) -> Ranks:
-        """Join the job ``mlx.launch`` started, if any (``mx.distributed.init``); else one rank alone."""
+        """Join the job ``mlx.launch`` started, if any (``mx.distributed.init``), and its TCP link (unless
+        ``MLXPIPE_LINK=off``); else one rank alone."""
         if not launched():
             return cls()  # skip init: a single process needs no backend at all
-        return cls(mlx_core().distributed.init())
+        ranks = cls(mlx_core().distributed.init())
+        if ranks.size > 1 and not turned_off(LINK):
+            ranks.connect()
+        return ranks
+
+    def connect(self) -> bool:
+        """Set up the TCP link (:mod:`mlxpipe.link`) through two gathers over mlx; True when every rank
+        joined it. Where some rank cannot reach rank 0 the job stays on mlx's gather."""
+        server, card = None, None
+        if self.rank == 0:
+            with contextlib.suppress(OSError):
+                server, card = link.listen()
+        card = json.loads(self._gather(json.dumps(card).encode())[0])
+        peers: list[socket.socket] | None = None
+        if card is not None:
+            if self.rank == 0 and server is not None:
+                peers = link.accept(server, card, self.size)
+            elif self.rank:
+                sock = link.connect(card, self.rank)
+                peers = [sock] if sock is not None else None
+        joined = all(f == b"1" for f in self._gather(b"1" if peers else b"0"))
+        if joined and peers:
+            self.star, self.threaded = link.Star(self.rank, self.size, peers), True
+        else:
+            for sock in peers or []:
+                sock.close()
+        return joined
 
     def gather(self, frame: bytes) -> list[bytes]:
-        """Every rank's ``frame``, in rank order, on every rank (two ``all_gather`` calls)."""
+        """Every rank's ``frame``, in rank order, on every rank: over the TCP link, else two ``all_gather``
+        calls (on the main thread only)."""
         if self.size == 1:
             return [frame]
         started = time.perf_counter()
         try:
+            if self.star is not None:
+                try:
+                    return self.star.gather(frame)
+                except link.Lost as exc:
+                    raise RankLost(str(exc)) from None
             return self._gather(frame)
         finally:
             self.gathers += 1
@@ -213,6 +252,11 @@ LOOKAHEAD = int(_env_number("MLXPIPE_LOOKAHEAD", 1))
 GATHER_STREAM = "MLXPIPE_GATHER_STREAM"  # "default": the gather queues behind the token (to measure)
 TICK_STATS = "MLXPIPE_TICK_STATS"  # set: each rank says on stderr how many ticks it made, and their time
 HOLD = 4  # records read but not yet written, at most HOLD * ranks * depth: then no rank asks for more
+# Over the TCP link the ticks run on a helper thread, every EXCHANGE_SECONDS, whatever the rank computes: a
+# tick then costs its rank only the frame's encoding (the wait sleeps in the kernel), and a waiting rank
+# gets work within one period.
+EXCHANGE_SECONDS = _env_number("MLXPIPE_EXCHANGE_SECONDS", 0.02)
+LINK = "MLXPIPE_LINK"  # "off": the ticks go through mlx's gather on the main thread (to measure)
 
 
 def run(
@@ -244,9 +288,9 @@ def run(
         for event in own:
             job.own(event)
             yield from job.release()
-        job.finished = True
+        job.finish()
         while not job.ended and job.error is None:
-            job.tick()
+            job.wait_or_tick()
             yield from job.release()
         yield from job.release()
         if job.error is not None:
@@ -307,15 +351,69 @@ class _Job:
         self.progressed = False  # an own event since the last poll
         self.busy_ticks = 0  # ticks made while generating (at the pipeline's polls), and their time
         self.busy_seconds = 0.0
+        # Over the TCP link a helper thread ticks (the exchange); the lock guards what it shares with the
+        # main thread. Without it the main thread ticks, and the lock is never contended.
+        self.threaded = ranks.threaded
+        self.lock = threading.Condition(threading.RLock())
+        self.exchange: threading.Thread | None = None
+        self.begun = False  # the first tick is over
+        self.quitting: str | None = None  # the reason this rank leaves, for the exchange's last tick
 
     # -- hooks for the pipeline
 
     def start(self) -> None:
         """The first tick: every rank gets its first records before generating."""
-        self._read_ahead()
-        self.tick()
+        if self.threaded:
+            # The input is read on the exchange thread from the start (a read marked as on the main thread
+            # would let a signal raise in the middle of a token).
+            self.exchange = threading.Thread(target=self._exchange, name="mlxpipe-exchange", daemon=True)
+            self.exchange.start()
+            with self.lock:
+                while not self.begun and self.error is None:
+                    self.lock.wait()
+        else:
+            self._read_ahead()
+            self.tick()
         if self.error is not None:
             raise self.error
+
+    def _exchange(self) -> None:
+        """The exchange thread: a tick every ``EXCHANGE_SECONDS`` until the job ends or this rank quits."""
+        try:
+            self._exchanges()
+        except BaseException as exc:  # not raised by a tick: a bug, or the interpreter going away
+            with self.lock:
+                self.error = self.error or RankLost(f"the exchange with the other ranks failed: {exc!r}")
+                self._stop()
+        finally:
+            with self.lock:  # whatever happened, nobody waits for this thread any more
+                self.begun = self.ended = True
+                self.lock.notify_all()
+
+    def _exchanges(self) -> None:
+        with self.lock:
+            try:
+                self._read_ahead()
+            except Exception as exc:
+                self.error = exc
+                self._stop()
+        self.tick()
+        with self.lock:
+            self.begun = True
+            self.lock.notify_all()
+        while True:
+            with self.lock:
+                due = self.last + EXCHANGE_SECONDS
+                while not self.ended and self.quitting is None and (now := time.monotonic()) < due:
+                    self.lock.wait(due - now)
+                if self.ended:
+                    return
+                quit = self.quitting
+            if quit is not None:
+                with contextlib.suppress(Exception):
+                    self._tick(quit=quit)
+                return
+            self.tick()
 
     def mine(self) -> Iterator[Record | BadRecord]:
         """The records handed to this rank, as the pipeline takes them.
@@ -327,15 +425,26 @@ class _Job:
             while (item := self.feed.get()) is not None:
                 yield item
             return
-        while True:
+        while (record := self._next()) is not None:
+            yield record
+
+    def _next(self) -> Record | BadRecord | None:
+        with self.lock:
             while not self.inbox and not self._over() and not self.ended:
-                self.tick()  # waiting for work: tick as soon as the others do
+                if self.threaded:
+                    self.lock.wait()  # the exchange thread hands out records
+                else:
+                    self.tick()  # waiting for work: tick as soon as the others do
             if self.stopping or not self.inbox:
-                return
-            yield self.inbox.popleft()
+                return None
+            return self.inbox.popleft()
 
     def poll(self) -> bool:
         """The pipeline's ``should_stop``: once per token (per step under ``--batch``), tick when due."""
+        if self.threaded:
+            with self.lock:
+                self._notice_stop()
+                return self.stopping
         self._notice_stop()
         now = time.monotonic()
         # Under --batch the pipeline also polls while it waits for a record (nothing in flight, no events
@@ -354,24 +463,48 @@ class _Job:
 
     def own(self, event: Event) -> None:
         """An event of this rank's own records: to send at the next tick, and to write in its turn."""
-        self.outbox.append(event)
-        self.progressed = True
-        if isinstance(event, FINAL_EVENTS):
-            self.held -= 1
-        self._push(event)
+        with self.lock:
+            self.outbox.append(event)
+            self.progressed = True
+            if isinstance(event, FINAL_EVENTS):
+                self.held -= 1
+            self._push(event)
 
     def release(self) -> Iterator[Event]:
         """The events that may be written now."""
-        while self.ready:
-            yield self.ready.popleft()
+        with self.lock:
+            ready, self.ready = self.ready, deque()
+        yield from ready
+
+    def finish(self) -> None:
+        """This rank's own pipeline has returned: nothing in flight, nothing more to send."""
+        with self.lock:
+            self.finished = True
+
+    def wait_or_tick(self) -> None:
+        """After this rank's own records, until the job ends: wait for the others' events."""
+        if not self.threaded:
+            self.tick()
+            return
+        with self.lock:
+            if not self.ended and self.error is None and not self.ready:
+                self.lock.wait()
 
     def close(self) -> None:
         """The job ends here for this rank: tell the others, unless the job ended for all."""
         self.feed.put(None)  # a helper thread waiting for records goes
-        if self.ended:
-            return
         exc = sys.exc_info()[1]
         reason = "closed" if exc is None or isinstance(exc, GeneratorExit) else str(exc) or type(exc).__name__
+        if self.exchange is not None:
+            with self.lock:
+                if not self.ended:
+                    self.quitting = reason
+                    self.lock.notify_all()
+            # The exchange's last tick tells the others; a rank that hangs is the launcher's to end.
+            self.exchange.join(timeout=60)
+            return
+        if self.ended:
+            return
         with contextlib.suppress(Exception):
             self._tick(quit=reason)
 
@@ -382,11 +515,15 @@ class _Job:
         try:
             self._tick()
         except RankLost as exc:
-            self.error, self.ended = exc, True
-            self._stop()
+            with self.lock:
+                self.error, self.ended = exc, True
+                self._stop()
+                self.lock.notify_all()
         except Exception as exc:  # RanksDisagree, a failed read: the others are told as this rank quits
-            self.error = exc
-            self._stop()
+            with self.lock:
+                self.error = exc
+                self._stop()
+                self.lock.notify_all()
 
     def _notice_stop(self) -> None:
         if not self.stopping and self.should_stop():
@@ -394,22 +531,31 @@ class _Job:
             self._stop()
 
     def _tick(self, quit: str | None = None) -> None:
-        self._notice_stop()  # before the frame: a signal may also have cut this rank's input short
-        finals = [e.index for e in self.outbox if isinstance(e, FINAL_EVENTS)]
-        body = {
-            "events": [encode_event(e) for e in self.outbox],
-            "at": {str(i): self.mine_at[i] for i in {e.index for e in self.outbox}},
-            "want": self._want(),
-            "eof": self.eof,
-            "idle": self.finished,
-            "stopped": self.stopped,
-            "stop": self.stop,
-            "quit": quit,
-        }
+        with self.lock:  # the frame is built under the lock, the gather waits without it
+            self._notice_stop()  # before the frame: a signal may also have cut this rank's input short
+            outbox, self.outbox = self.outbox, []
+            # Whether this rank had stopped when it wrote its frame: what it decides below must not depend
+            # on a stop its exchange thread's main thread noticed since, which the others do not know of.
+            halted = self.stopping
+            body = {
+                "events": [encode_event(e) for e in outbox],
+                "at": {str(i): self.mine_at[i] for i in {e.index for e in outbox}},
+                "want": self._want(),
+                "eof": self.eof,
+                "idle": self.finished,
+                "stopped": self.stopped,
+                "stop": self.stop,
+                "quit": quit,
+            }
         frame = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         frames = [json.loads(f) for f in self.ranks.gather(frame)]
+        with self.lock:
+            self._apply(frames, [e.index for e in outbox if isinstance(e, FINAL_EVENTS)], quit, halted)
+            self.lock.notify_all()
+
+    def _apply(self, frames: list[dict[str, Any]], finals: list[int], quit: str | None, halted: bool) -> None:
+        """One tick's frames, alike on every rank: events, stops, the end, the records handed out."""
         self.last = time.monotonic()
-        self.outbox = []
         for index in finals:
             del self.mine_at[index]
         if quit is not None:
@@ -428,15 +574,16 @@ class _Job:
         if any(f["stopped"] for f in frames):
             self.ranks.stop_signal = next((f["stop"] for f in frames if f["stop"]), 0)
             self._stop()
-        if self.ranks.rank == 0 and not self.stopping:
+            halted = True
+        if self.ranks.rank == 0 and not halted:
             self._check_ends(frames)
         if all(f["idle"] for f in frames):
             self.ended = True
-            if self.ranks.rank == 0 and not self.stopping and self.expect:
+            if self.ranks.rank == 0 and not halted and self.expect:
                 rank, number = min(self.expect.items())[1]
                 raise RanksDisagree(f"rank {rank} never answered record {number}")
             return
-        if not self.stopping:
+        if not halted:
             self._assign([f["want"] for f in frames])
             self._read_ahead()
 

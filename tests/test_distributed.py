@@ -6,6 +6,7 @@ import io as stdio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 from conftest import REPO, FakeEngine, cli_env, ring_port
 
-from mlxpipe import distributed
+from mlxpipe import distributed, link
 from mlxpipe.cli.render import Renderer
 from mlxpipe.events import FINAL_EVENTS, Chunk, Done, Error, Event
 from mlxpipe.pipeline import run
@@ -58,10 +59,11 @@ class _Board:
 class ThreadRanks(distributed.Ranks):
     """One rank of an in-process job: ``gather`` meets the other threads at a barrier."""
 
-    def __init__(self, rank: int, board: _Board) -> None:
+    def __init__(self, rank: int, board: _Board, threaded: bool = False) -> None:
         super().__init__()
         self.rank, self.size, self.board = rank, len(board.slots), board
         self.gathers = 0
+        self.threaded = threaded  # as over the TCP link: an exchange thread ticks
 
     def gather(self, frame: bytes) -> list[bytes]:
         self.gathers += 1
@@ -141,12 +143,13 @@ def _job(
     stop: Any = None,
     batch: int = 1,
     engine: type[FakeEngine] = FakeEngine,
+    threaded: bool = False,
 ) -> tuple[list[list[Event]], list[Any], list[BaseException | None]]:
     """Run ``distributed.run`` on ``size`` thread ranks; ``data`` per rank or one for all;
-    ``stop(rank, engine)`` is each rank's should_stop. Returns each rank's events, [ranks, engines], and
-    what each rank raised."""
+    ``stop(rank, engine)`` is each rank's should_stop; ``threaded``: ticks on an exchange thread, as over
+    the TCP link. Returns each rank's events, [ranks, engines], and what each rank raised."""
     board = _Board(size)
-    ranks = [ThreadRanks(r, board) for r in range(size)]
+    ranks = [ThreadRanks(r, board, threaded) for r in range(size)]
     engines = [engine() for _ in range(size)]
     out: list[list[Event]] = [[] for _ in range(size)]
     raised: list[BaseException | None] = [None] * size
@@ -188,11 +191,19 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(distributed, "TICK_POLLS", 0.0)
 
 
+@pytest.fixture
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exchange thread ticks every 2 ms: the threaded tests end sooner."""
+    monkeypatch.setattr(distributed, "EXCHANGE_SECONDS", 0.002)
+
+
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_each_record_once_in_input_order_on_every_rank(size: int, batch: int) -> None:
+def test_each_record_once_in_input_order_on_every_rank(size: int, batch: int, threaded: bool) -> None:
     data = _jsonl(7, bad=5)
-    out, (_, engines), raised = _job(size, data, batch=batch, engine=TokenEngine)
+    out, (_, engines), raised = _job(size, data, batch=batch, engine=TokenEngine, threaded=threaded)
     assert raised == [None] * size
     alone = list(run(_records(data, jsonl=True), TokenEngine(), batch=batch))
     assert all(events == alone for events in out)  # same events, same order, chunks included
@@ -263,6 +274,41 @@ def test_a_rank_stopped_by_a_signal_stops_every_rank_and_the_output_is_a_prefix(
     assert {rk.stop_signal for rk in ranks} == {2}
 
 
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("stopper", [0, 1])
+def test_over_an_exchange_thread_a_stop_on_one_rank_stops_every_rank_and_the_output_is_a_prefix(
+    batch: int, stopper: int
+) -> None:
+    # The stopped rank notices its signal at its next poll or the exchange's next tick; the others at the
+    # tick after: the output is records 1..K, each once. The signal comes once both ranks generate (an
+    # earlier one would leave record 1 unstarted, and the output empty).
+    engines: list[TokenEngine] = []
+
+    class Seen(TokenEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            engines.append(self)
+
+    prompts = ["w " * (3 + 5 * (i % 3)) for i in range(40)]
+    out, (ranks, _), raised = _job(
+        2,
+        _jsonl(40, prompts=prompts),
+        stop=lambda r, engine: r == stopper and engine.tokens >= 12 and all(e.tokens for e in engines),
+        batch=batch,
+        engine=Seen,
+        threaded=True,
+    )
+    assert raised == [None, None]
+    assert out[0] == out[1]
+    finals = [e for e in out[0] if isinstance(e, FINAL_EVENTS)]
+    assert [e.index for e in finals] == list(range(1, len(finals) + 1))
+    assert 0 < len(finals) < 40
+    asked = sorted(rec.index for engine in engines for rec in engine.history)
+    assert len(asked) < 40 and len(set(asked)) == len(asked)
+    assert {rk.stop_signal for rk in ranks} == {2}
+
+
 @pytest.mark.usefixtures("clock")
 def test_a_signal_that_cuts_a_rank_s_input_short_is_a_stop_not_a_disagreement() -> None:
     # A signal while a rank reads ends its input there (Interrupts.guard): that rank's input looks shorter.
@@ -319,12 +365,14 @@ def test_records_skipped_on_every_rank_leave_no_rank_idle() -> None:
     assert all(len(e.history) == 2 for e in engines)
 
 
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("skip", [2, 5, 6, 7])
-def test_rank_0_notices_a_rank_that_read_other_records(skip: int) -> None:
+def test_rank_0_notices_a_rank_that_read_other_records(skip: int, threaded: bool) -> None:
     # Rank 1 read a stream without record `skip` (another input, or another --resume file).
     full = _records(_jsonl(7), jsonl=True)
     board = _Board(2)
-    ranks = [ThreadRanks(r, board) for r in range(2)]
+    ranks = [ThreadRanks(r, board, threaded) for r in range(2)]
     errors: list[BaseException | None] = [None, None]
 
     def rank_main(r: int) -> None:
@@ -344,11 +392,13 @@ def test_rank_0_notices_a_rank_that_read_other_records(skip: int) -> None:
     assert errors[1] is None  # rank 0 speaks for the job; rank 1 ends quietly
 
 
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("failing", [0, 1])
-def test_closing_the_events_on_one_rank_ends_every_rank(failing: int) -> None:
+def test_closing_the_events_on_one_rank_ends_every_rank(failing: int, threaded: bool) -> None:
     # --fail-fast and a closed stdout close the events on one rank: the others end at the next tick.
     board = _Board(2)
-    ranks = [ThreadRanks(r, board) for r in range(2)]
+    ranks = [ThreadRanks(r, board, threaded) for r in range(2)]
     seen: list[list[int]] = [[], []]
     errors: list[BaseException | None] = [None, None]
 
@@ -389,6 +439,138 @@ def test_events_survive_the_wire() -> None:
 
 def test_one_rank_alone_gathers_its_own_frame() -> None:
     assert distributed.Ranks().gather(b"x") == [b"x"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The TCP link between ranks, over real sockets (ranks as threads)
+
+
+def _star(size: int) -> list[distributed.Ranks]:
+    """``size`` ranks joined by the TCP link as mlx.launch's ranks join it, each to be used by one thread."""
+    server, card = link.listen()
+    peers: list[list[Any] | None] = [None] * size
+
+    def join(r: int) -> None:
+        sock = link.connect(card, r, seconds=20)
+        peers[r] = [sock] if sock else None
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(1, size)]
+    for t in threads:
+        t.start()
+    peers[0] = link.accept(server, card, size, seconds=20)
+    for t in threads:
+        t.join(timeout=30)
+    ranks = []
+    for r in range(size):
+        assert peers[r] is not None
+        ranks.append(distributed.Ranks())
+        ranks[r].rank, ranks[r].size, ranks[r].threaded = r, size, True
+        ranks[r].star = link.Star(r, size, peers[r] or [])
+    return ranks
+
+
+def _each(ranks: list[distributed.Ranks], work: Any) -> list[Any]:
+    """``work(rank)`` on a thread per rank: what each returned, or raised."""
+    got: list[Any] = [None] * len(ranks)
+
+    def main(r: int) -> None:
+        try:
+            got[r] = work(ranks[r])
+        except BaseException as exc:
+            got[r] = exc
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    return got
+
+
+def test_the_tcp_link_gathers_every_frame_and_names_a_rank_that_went_away() -> None:
+    ranks = _star(3)
+    got = _each(ranks, lambda rk: [rk.gather(bytes([65 + rk.rank]) * n * rk.rank) for n in (0, 1, 100_000)])
+    for rounds in got:
+        assert rounds == [[b"", b"", b""], [b"", b"B", b"CC"], [b"", b"B" * 100_000, b"CC" * 100_000]]
+    assert ranks[2].star is not None
+    ranks[2].star.close()  # as its process dies: the kernel closes its end
+    lost = _each(ranks[:2], lambda rk: rk.gather(b"x"))
+    assert isinstance(lost[0], distributed.RankLost) and "rank 2" in str(lost[0])
+    assert isinstance(lost[1], distributed.RankLost) and "rank 0" in str(lost[1])  # rank 0 went on to fail
+
+
+def test_the_tcp_link_takes_only_the_ranks_of_its_job() -> None:
+    server, card = link.listen()
+    with socket.create_connection(("127.0.0.1", card["port"])) as stranger:
+        stranger.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        wrong = link.connect(dict(card, token="0" * 32), 1, seconds=1)
+        assert wrong is None  # the listener did not answer with this job's token
+        sock: list[Any] = []
+        t = threading.Thread(target=lambda: sock.append(link.connect(card, 1, seconds=20)))
+        t.start()
+        peers = link.accept(server, card, 2, seconds=20)
+        t.join(timeout=30)
+    assert peers is not None and sock[0] is not None
+    star = [link.Star(0, 2, peers), link.Star(1, 2, sock)]
+    got: list[Any] = [None, None]
+    threads = [
+        threading.Thread(target=lambda r=r: got.__setitem__(r, star[r].gather(b"%d" % r))) for r in (0, 1)
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    assert got == [[b"0", b"1"], [b"0", b"1"]]
+
+
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_records_over_the_tcp_link_each_once_in_input_order(batch: int) -> None:
+    data = _jsonl(9, bad=4, prompts=["w " * (1 + 4 * (i % 3)) for i in range(9)])
+    engines = [TokenEngine() for _ in range(3)]
+    ranks = _star(3)
+    got = _each(
+        ranks,
+        lambda rk: list(
+            distributed.run(
+                _records(data, jsonl=True), engines[rk.rank], rk, lambda: False, lambda: None, batch
+            )
+        ),
+    )
+    alone = list(run(_records(data, jsonl=True), TokenEngine(), batch=batch))
+    assert got == [alone] * 3
+    assert sorted(rec.index for e in engines for rec in e.history) == [1, 2, 3, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.usefixtures("quick")
+def test_a_rank_whose_link_breaks_ends_the_run_on_the_others_with_a_prefix() -> None:
+    data = _jsonl(30, prompts=["w " * 6] * 30)
+    ranks = _star(3)
+
+    class Dies(TokenEngine):
+        def generate(self, record: Record, should_stop: Any = lambda: False) -> Any:
+            if self.tokens >= 12:  # rank 2 dies: its sockets close, nothing more is sent
+                assert ranks[2].star is not None
+                ranks[2].star.close()
+                raise SystemExit
+            yield from super().generate(record, should_stop)
+
+    def work(rk: distributed.Ranks) -> list[Event]:
+        engine = Dies() if rk.rank == 2 else TokenEngine()
+        out: list[Event] = []
+        try:
+            out.extend(distributed.run(_records(data, jsonl=True), engine, rk, lambda: False, lambda: None))
+        except distributed.RankLost as exc:
+            out.append(Error(0, None, "", 0, str(exc)))
+        return out
+
+    got = _each(ranks, work)
+    assert isinstance(got[2], SystemExit)
+    for out in got[:2]:
+        assert isinstance(out[-1], Error)  # RankLost
+        finals = [e.index for e in out[:-1] if isinstance(e, FINAL_EVENTS)]
+        assert finals == list(range(1, len(finals) + 1)) and len(finals) < 30
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,11 +707,13 @@ GATHER = """
 from mlxpipe.distributed import Ranks, broadcast
 ranks = Ranks.init()
 print(ranks.rank, ranks.size, ranks.gather(b"x" * (3 + 5 * ranks.rank)), ranks.gather(b""),
-      broadcast(ranks, b"from 0" if ranks.rank == 0 else b"ignored"), flush=True)
+      broadcast(ranks, b"from 0" if ranks.rank == 0 else b"ignored"), ranks.threaded, flush=True)
 """
 
 
-def test_gather_and_broadcast_over_the_ring() -> None:
+@pytest.mark.parametrize("tcp", [True, False])
+def test_gather_and_broadcast_over_the_ring(tcp: bool) -> None:
+    # By default the ranks gather over their own TCP link; MLXPIPE_LINK=off keeps mlx's all_gather.
     if not LAUNCH.exists():
         pytest.skip("mlx.launch is not installed next to this python")
     cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(ring_port()), "--python", sys.executable]
@@ -538,11 +722,11 @@ def test_gather_and_broadcast_over_the_ring() -> None:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=cli_env(),
+        env=cli_env(**({} if tcp else {"MLXPIPE_LINK": "off"})),
     )
     out, err = _finish(p, timeout=120)
     assert sorted(out.decode().splitlines()) == [
-        f"{rank} 2 [b'xxx', b'xxxxxxxx'] [b'', b''] b'from 0'" for rank in (0, 1)
+        f"{rank} 2 [b'xxx', b'xxxxxxxx'] [b'', b''] b'from 0' {tcp}" for rank in (0, 1)
     ], err
 
 
