@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
+if not LAUNCH.exists():  # pip install --target puts it in its own bin/
+    LAUNCH = Path(shutil.which("mlx.launch") or LAUNCH)
 TOPICS = ["the sea", "mountains", "coffee", "bicycles", "libraries", "volcanoes", "owls", "rain"]
 
 
@@ -53,7 +56,7 @@ def run(cmd: list[str], env: dict[str, str]) -> tuple[float, bytes, float, str]:
     started = time.perf_counter()
     env = dict(env)
     cwd = env.pop("CWD", str(REPO))
-    env["PYTHONPATH"] = cwd
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryFile() as err:
         p = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, env=env, cwd=cwd

@@ -1,6 +1,7 @@
 """Records spread over the ranks of an ``mlx.launch`` job, handed out on demand; rank 0 writes everything.
 
-This room touches mlx only for transport (``mx.distributed``); generation stays in :mod:`mlxpipe.engine`.
+This room touches mlx only for transport (``mx.distributed``: its group, and the setup of the ranks' own TCP
+link, :mod:`mlxpipe.link`); generation stays in :mod:`mlxpipe.engine`.
 
 Input: every rank reads the same FILE arguments, so every rank sees the same records in the same order and
 can name a record by its *position* (0-based, bad records included; records ``--resume`` skips are not in
@@ -8,14 +9,16 @@ the stream, on any rank). Before anything else the ranks compare a digest of the
 (:func:`same_input`); what decides which records are skipped must be the same on every rank too (rank 0
 shares it with :func:`broadcast`).
 
-Ticks. The ranks exchange frames in *ticks*: one :meth:`Ranks.gather` (an ``all_gather`` of the frames'
-lengths, then one of the zero-padded frames) that every rank makes, on its main thread (mlx is not used from
-other threads), at the points where it polls for a stop anyway: once per token while generating, once per
-step under ``--batch`` (:func:`mlxpipe.pipeline.run` calls ``should_stop`` there), at most every
-``TICK_SECONDS`` and every ``TICK_POLLS`` polls (timed: a prefill is one long poll); and at once, again and
-again, while it waits for work or for the job's end, so a waiting rank never paces the others. The gather
-runs on a CPU stream of its own, so it does not wait for the token mlx-lm is computing meanwhile.
-A frame is UTF-8 JSON::
+Ticks. The ranks exchange frames in *ticks*: one :meth:`Ranks.gather` that every rank makes. Over the TCP
+link (the default: every rank connected to rank 0 by a blocking socket, set up once through mlx), a helper
+thread of each rank, the *exchange*, ticks every ``EXCHANGE_SECONDS`` whatever the rank computes: the main
+thread only hands it events and takes records, and a wait sleeps in the kernel. With ``MLXPIPE_LINK=off``
+(or where a rank cannot reach rank 0) the gather is mlx's (an ``all_gather`` of the frames' lengths, then
+one of the zero-padded frames, on a CPU stream of its own), which only the main thread may call: the rank
+ticks where it polls for a stop anyway: once per token while generating, once per step under ``--batch``
+(:func:`mlxpipe.pipeline.run` calls ``should_stop`` there), at most every ``TICK_SECONDS`` and every
+``TICK_POLLS`` polls (timed: a prefill is one long poll); and at once, again and again, while it waits for
+work or for the job's end, so a waiting rank never paces the others. A frame is UTF-8 JSON::
 
     {"events": [...], "at": {"<record number>": position}, "want": int, "eof": int | null,
      "idle": bool, "stopped": bool, "stop": int, "quit": str | null}
@@ -23,15 +26,16 @@ A frame is UTF-8 JSON::
 ``events``: the rank's chunk and final events since its last tick (:func:`encode_event`), ``at`` their
 records' positions; ``want``: how many more records it asks for (``--batch`` N, or 1, plus ``LOOKAHEAD``,
 N/4 under ``--batch``, so that it starts its next record without waiting for a tick, minus what it holds;
-no lookahead once fewer records are left than the ranks could hold, where it would leave a rank idle at the
-end; 0 while more than ``HOLD`` * ranks * that depth records are read but not yet written, behind one old
-record still generating);
+no lookahead, and at most an equal share of what is left, once fewer records are left than the ranks could
+hold, where it would leave a rank idle at the end; 0 while more than ``HOLD`` * ranks * that depth records
+are read but not yet written, behind one old record still generating);
 ``eof``: the number of records in its input once it has read the end; ``idle``: its own pipeline has
 finished (the end of input, or a stop); ``stopped``/``stop``: a signal stopped it (the signal's number);
 ``quit``: it leaves the job now (``closed`` when its events were closed: ``--fail-fast``, a closed stdout;
 otherwise the error it raises).
 
-Assignment. After a tick every rank holds the same frames and applies them alike, so no rank coordinates:
+Assignment. After a tick every rank holds the same frames and applies them alike (what it decides depends on
+the frames and on what its own frame said, never on a stop noticed since), so no rank coordinates:
 positions are handed out in input order, ``want`` of them to each rank in rank order. Each rank reads ahead
 of the last position handed out far enough to know whether the input ends within what every rank could take.
 Each record is handed out once, so it is generated once.
@@ -621,8 +625,12 @@ class _Job:
         depth = self.capacity + self.lookahead
         if self.order is not None and len(self.order) >= HOLD * self.ranks.size * depth:
             return 0  # an old record is still generating: do not read further ahead of it
-        near_end = self.eof is not None and self.eof - self.frontier < self.ranks.size * depth
-        return max(0, (self.capacity if near_end else depth) - self.held)
+        if self.eof is not None and self.eof - self.frontier < self.ranks.size * depth:
+            # Near the end, no lookahead and an equal share of what is left: under --batch the first rank
+            # to ask would otherwise take it all and leave the others idle.
+            share = -(-(self.eof - self.frontier) // self.ranks.size)
+            return max(0, min(self.capacity, share) - self.held)
+        return max(0, depth - self.held)
 
     def _assign(self, wants: list[int]) -> None:
         """Hand out the next positions, in order, to the ranks in rank order: the same on every rank."""
