@@ -1,7 +1,8 @@
 """Records spread over the ranks of an ``mlx.launch`` job, handed out on demand; rank 0 writes everything.
 
-This room touches mlx only for transport (``mx.distributed``: its group, and the setup of the ranks' own TCP
-link, :mod:`mlxpipe.link`); generation stays in :mod:`mlxpipe.engine`.
+This room touches mlx only for transport, and under ``mlx.launch --backend ring`` not at all: the ranks find
+each other through the ring's hostfile (:mod:`mlxpipe.link`); under other backends through ``mx.distributed``;
+generation stays in :mod:`mlxpipe.engine`.
 
 Input: every rank reads the same FILE arguments, so every rank sees the same records in the same order and
 can name a record by its *position* (0-based, bad records included; records ``--resume`` skips are not in
@@ -10,7 +11,7 @@ the stream, on any rank). Before anything else the ranks compare a digest of the
 shares it with :func:`broadcast`).
 
 Ticks. The ranks exchange frames in *ticks*: one :meth:`Ranks.gather` that every rank makes. Over the TCP
-link (the default: every rank connected to rank 0 by a blocking socket, set up once through mlx), a helper
+link (the default: every rank connected to rank 0 by a blocking socket, :func:`mlxpipe.link.join`), a helper
 thread of each rank, the *exchange*, ticks every ``EXCHANGE_SECONDS`` whatever the rank computes: the main
 thread only hands it events and takes records, and a wait sleeps in the kernel. With ``MLXPIPE_LINK=off``
 (or where a rank cannot reach rank 0) the gather is mlx's (an ``all_gather`` of the frames' lengths, then
@@ -82,7 +83,7 @@ from .cpu import mlx_core
 from .events import FINAL_EVENTS, Chunk, Done, Error, Event
 from .interface import EngineLike, ShouldStop
 from .records import BadRecord, Record
-from .switches import turned_off
+from .switches import OFF, setting
 
 _KINDS: dict[str, type[Chunk] | type[Done] | type[Error]] = {"chunk": Chunk, "done": Done, "error": Error}
 
@@ -120,8 +121,20 @@ class Ranks:
         ``MLXPIPE_LINK=off``); else one rank alone."""
         if not launched():
             return cls()  # skip init: a single process needs no backend at all
+        mode = setting(LINK).lower()
+        hosts = link.ring_hosts() if mode not in OFF and mode != "mlx" else None
+        rank = int(os.environ.get("MLX_RANK", "-1")) if os.environ.get("MLX_RANK", "").isdigit() else -1
+        if hosts is not None and 0 <= rank < len(hosts):
+            # mlx.launch --backend ring: the link alone, mlx's ring is never set up
+            ranks = cls()
+            try:
+                ranks.star = link.join(rank, hosts)
+            except link.Lost as exc:
+                raise RankLost(str(exc)) from None
+            ranks.rank, ranks.size, ranks.threaded = rank, len(hosts), True
+            return ranks
         ranks = cls(mlx_core().distributed.init())
-        if ranks.size > 1 and not turned_off(LINK):
+        if ranks.size > 1 and mode not in OFF:
             ranks.connect()
         return ranks
 
@@ -260,7 +273,9 @@ HOLD = 4  # records read but not yet written, at most HOLD * ranks * depth: then
 # tick then costs its rank only the frame's encoding (the wait sleeps in the kernel), and a waiting rank
 # gets work within one period.
 EXCHANGE_SECONDS = _env_number("MLXPIPE_EXCHANGE_SECONDS", 0.02)
-LINK = "MLXPIPE_LINK"  # "off": the ticks go through mlx's gather on the main thread (to measure)
+# "off": the ticks go through mlx's gather on the main thread (to measure); "mlx": the link is set up through
+# mlx even under the ring backend (to test that path).
+LINK = "MLXPIPE_LINK"
 
 
 def run(

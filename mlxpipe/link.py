@@ -1,9 +1,12 @@
 """The ranks' own link under ``mlx.launch``: a TCP connection from every rank to rank 0, blocking sockets.
 
 mlx's ring backend moves data on socket threads that loop on non-blocking ``recv`` while a receive is pending,
-so a rank waiting at one of its collectives spins a core (bench/RESULTS.md, issue 23). Over this link a rank
-that waits sleeps in the kernel, and any thread may gather. :mod:`mlxpipe.distributed` sets it up once through
-mlx (rank 0 tells every rank its :func:`listen` card, the others :func:`connect`) and gathers over it.
+so a rank waiting at one of its collectives spins a core (bench/RESULTS.md, issue 23); and its set-up makes a
+rank that connects before its neighbour listens sleep a whole second. Over this link a rank that waits sleeps
+in the kernel, and any thread may gather. Under ``mlx.launch --backend ring`` the ranks need no mlx at all to
+find each other (:func:`join`): rank 0 listens where the ring's hostfile says rank 0 listens (mlx's ring is
+then never set up), the others connect there. Under other backends :mod:`mlxpipe.distributed` sets it up
+through mlx (rank 0 tells every rank its :func:`listen` card, the others :func:`connect`).
 
 A :class:`Star` gathers in one round: every other rank sends rank 0 its frame, rank 0 sends every rank all
 frames. Frames are length-prefixed. A rank that went away (its process died, its host dropped off) shows as
@@ -13,6 +16,7 @@ end of file or a reset: :class:`Lost`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -21,11 +25,12 @@ import struct
 import time
 from typing import Any
 
-__all__ = ["Lost", "Star", "accept", "card", "connect", "listen"]
+__all__ = ["Lost", "Star", "accept", "card", "connect", "join", "listen", "ring_hosts"]
 
 _LENGTH = struct.Struct("!Q")
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a dead peer is an error here, never a SIGPIPE
 CONNECT_SECONDS = 10.0  # for every rank to reach rank 0, or the job stays on mlx's own gather
+JOIN_SECONDS = 60.0  # for every rank to start (ssh, another host) and reach rank 0, or the job fails
 
 
 class Lost(ConnectionError):
@@ -64,6 +69,44 @@ class Star:
             peer.close()
 
 
+def ring_hosts() -> list[str] | None:
+    """The ring backend's hostfile (``MLX_HOSTFILE``, written by ``mlx.launch``): each rank's first
+    ``ip:port``, in rank order; None without one (another backend, or a job of one rank)."""
+    try:
+        with open(os.environ.get("MLX_HOSTFILE", "")) as f:
+            hosts = [str(rank[0]) for rank in json.load(f)]
+    except (OSError, ValueError, TypeError, IndexError, KeyError):
+        return None
+    return hosts if len(hosts) > 1 and all(":" in h for h in hosts) else None
+
+
+def join(rank: int, hosts: list[str], seconds: float = JOIN_SECONDS) -> Star:
+    """The link among the ring's ranks, made without mlx: rank 0 listens on its hostfile address, the
+    others connect to it. Raises :class:`Lost` when some rank does not come within ``seconds``."""
+    address, _, port = hosts[0].rpartition(":")
+    address = address.strip("[]")
+    job = {"port": int(port), "hosts": [address], "node": "", "token": _digest(hosts)}
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        try:
+            server = socket.create_server((address, int(port)), family=family, backlog=128)
+        except OSError as exc:
+            raise Lost(f"rank 0 cannot listen on {hosts[0]}: {exc.strerror or exc}") from None
+        peers = accept(server, job, len(hosts), seconds)
+        if peers is None:
+            raise Lost(f"not every rank reached rank 0 at {hosts[0]} within {seconds:.0f} s")
+        return Star(0, len(hosts), peers)
+    sock = connect(job, rank, seconds, pause=0.05)
+    if sock is None:
+        raise Lost(f"rank {rank} could not reach rank 0 at {hosts[0]} within {seconds:.0f} s")
+    return Star(rank, len(hosts), [sock])
+
+
+def _digest(hosts: list[str]) -> str:
+    # What every rank of the job knows alike: a connection from another job's rank is turned away.
+    return hashlib.sha256(json.dumps(hosts).encode()).hexdigest()[:32]
+
+
 def listen() -> tuple[socket.socket, dict[str, Any]]:
     """Rank 0: a listening socket on every interface, and the card that tells the others how to reach it."""
     if socket.has_dualstack_ipv6():
@@ -90,8 +133,11 @@ def card(port: int) -> dict[str, Any]:
     return {"port": port, "hosts": unique, "node": socket.gethostname(), "token": secrets.token_hex(16)}
 
 
-def connect(card: dict[str, Any], rank: int, seconds: float = CONNECT_SECONDS) -> socket.socket | None:
-    """Rank ``rank`` > 0: a connection to rank 0 that rank 0 has recognised, or None."""
+def connect(
+    card: dict[str, Any], rank: int, seconds: float = CONNECT_SECONDS, pause: float = 0.1
+) -> socket.socket | None:
+    """Rank ``rank`` > 0: a connection to rank 0 that rank 0 has recognised, or None (tries again every
+    ``pause`` seconds: rank 0 may not listen yet)."""
     hosts = list(card["hosts"])
     if card["node"] == socket.gethostname():
         hosts.append("127.0.0.1")  # the same host: loopback always works
@@ -112,7 +158,7 @@ def connect(card: dict[str, Any], rank: int, seconds: float = CONNECT_SECONDS) -
                 pass
             if sock is not None:
                 sock.close()
-        time.sleep(0.1)
+        time.sleep(pause)
     return None
 
 

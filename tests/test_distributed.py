@@ -511,6 +511,40 @@ def test_the_tcp_link_gathers_every_frame_and_names_a_rank_that_went_away() -> N
     assert isinstance(lost[1], distributed.RankLost) and "rank 0" in str(lost[1])  # rank 0 went on to fail
 
 
+def test_ranks_of_a_ring_job_join_the_link_at_rank_0_s_hostfile_address() -> None:
+    hosts = [f"127.0.0.1:{ring_port()}", "127.0.0.1:1", "127.0.0.1:2"]  # only rank 0's address is used
+    stars: list[Any] = [None] * 3
+
+    def rank_main(r: int) -> None:
+        if r:
+            time.sleep(0.3)  # ranks start when they start: the others wait for rank 0, or rank 0 for them
+        try:
+            stars[r] = link.join(r, hosts, seconds=20)
+        except link.Lost as exc:
+            stars[r] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (2, 1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(isinstance(star, link.Star) for star in stars), stars
+    got: list[Any] = [None] * 3
+    gathers = [
+        threading.Thread(target=lambda r=r: got.__setitem__(r, stars[r].gather(b"%d" % r))) for r in range(3)
+    ]
+    for t in gathers:
+        t.start()
+    for t in gathers:
+        t.join(timeout=30)
+    assert got == [[b"0", b"1", b"2"]] * 3
+    for star in stars:
+        star.close()
+    # A rank alone: rank 0 never comes, so the rank says where it looked.
+    with pytest.raises(link.Lost, match=r"rank 1 could not reach rank 0 at 127\.0\.0\.1:\d+ within 2 s"):
+        link.join(1, hosts, seconds=2)
+
+
 def test_the_tcp_link_takes_only_the_ranks_of_its_job() -> None:
     server, card = link.listen()
     with socket.create_connection(("127.0.0.1", card["port"])) as stranger:
@@ -722,9 +756,11 @@ print(ranks.rank, ranks.size, ranks.gather(b"x" * (3 + 5 * ranks.rank)), ranks.g
 """
 
 
-@pytest.mark.parametrize("tcp", [True, False])
-def test_gather_and_broadcast_over_the_ring(tcp: bool) -> None:
-    # By default the ranks gather over their own TCP link; MLXPIPE_LINK=off keeps mlx's all_gather.
+@pytest.mark.parametrize("mode", ["", "mlx", "off"])
+def test_gather_and_broadcast_over_the_ring(mode: str) -> None:
+    # By default the ranks gather over their own TCP link, found through the ring's hostfile; with
+    # MLXPIPE_LINK=mlx it is set up through mlx's gather (as under other backends); =off keeps mlx's gather.
+    tcp = mode != "off"
     if not LAUNCH.exists():
         pytest.skip("mlx.launch is not installed next to this python")
     cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(ring_port()), "--python", sys.executable]
@@ -733,7 +769,7 @@ def test_gather_and_broadcast_over_the_ring(tcp: bool) -> None:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=cli_env(**({} if tcp else {"MLXPIPE_LINK": "off"})),
+        env=cli_env(MLXPIPE_LINK=mode),
     )
     out, err = _finish(p, timeout=120)
     assert sorted(out.decode().splitlines()) == [
