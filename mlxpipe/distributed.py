@@ -553,8 +553,8 @@ class _Job:
         with self.lock:  # the frame is built under the lock, the gather waits without it
             self._notice_stop()  # before the frame: a signal may also have cut this rank's input short
             outbox, self.outbox = self.outbox, []
-            # Whether this rank had stopped when it wrote its frame: what it decides below must not depend
-            # on a stop its exchange thread's main thread noticed since, which the others do not know of.
+            # Whether this rank had stopped when it wrote its frame: what it decides after the gather must not
+            # depend on a stop its main thread noticed meanwhile, which the others do not know of.
             halted = self.stopping
             body = {
                 "events": [encode_event(e) for e in outbox],
