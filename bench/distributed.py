@@ -12,8 +12,8 @@ N ranks with more environment (``CWD=DIR`` runs another checkout, e.g. an older 
 per second of wall time, the mean decode and prompt rates of the records (their ``done`` events; with ranks,
 over every rank's records, to compare with one process on one core), the launcher's own CPU seconds, and
 whether the answers equal one process's. ``--mixed`` gives half the records ``max_tokens`` 8 and half 200.
-``--startup`` also times one process and N ranks on an empty input (start-up and model load alone), and prints
-the speed-up past it.
+``--startup`` also times one process and N ranks on an input of one record of one token (start-up and model
+load: one process skips the model on an empty input), and prints the speed-up past it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
+if not LAUNCH.exists():  # pip install --target puts it in its own bin/
+    LAUNCH = Path(shutil.which("mlx.launch") or LAUNCH)
 TOPICS = ["the sea", "mountains", "coffee", "bicycles", "libraries", "volcanoes", "owls", "rain"]
 
 
@@ -53,7 +56,7 @@ def run(cmd: list[str], env: dict[str, str]) -> tuple[float, bytes, float, str]:
     started = time.perf_counter()
     env = dict(env)
     cwd = env.pop("CWD", str(REPO))
-    env["PYTHONPATH"] = cwd
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryFile() as err:
         p = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, env=env, cwd=cwd
@@ -92,7 +95,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--mixed", action="store_true")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--startup", action="store_true", help="also time both on an empty input")
+    parser.add_argument("--startup", action="store_true", help="also time both on a one-token input")
     parser.add_argument(
         "--spinning", action="store_true", help="also N ranks with the launcher left spinning"
     )
@@ -116,14 +119,14 @@ def main() -> None:
         one = ["taskset", "-c", "0", *mlxpipe, str(data)]
         pinned = f"exec taskset -c $MLX_RANK {' '.join(mlxpipe)} {data}"
         launch = [str(LAUNCH), "-n", str(args.ranks), "--backend", "ring", "--", "sh", "-c", pinned]
-        empty = Path(tmp) / "empty.jsonl"
-        empty.write_text("")
+        empty = Path(tmp) / "one.jsonl"
+        empty.write_text('{"id": 0, "prompt": "Hi.", "max_tokens": 1}\n')
         starts: dict[str, list[float]] = {"one": [], "ranks": []}
         for _ in range(args.rounds):
             results["one"].append(run(one, env))
             for name, variant in variants.items():
                 results[name].append(run(launch, variant))
-            if args.startup:  # the same commands on an empty file: start-up and model load alone
+            if args.startup:  # the same commands on one record of one token: start-up and model load
                 starts["one"].append(run([*one[:-1], str(empty)], env)[0])
                 starts["ranks"].append(run([*launch[:-1], pinned.replace(str(data), str(empty))], env)[0])
 
@@ -161,7 +164,7 @@ def main() -> None:
         one_start, ranks_start = (statistics.median(starts[k]) for k in ("one", "ranks"))
         ranks_wall = statistics.median(r[0] for r in results["ranks"])
         print(
-            f"- start-up on an empty input (median): one {one_start:.1f} s, ranks {ranks_start:.1f} s; "
+            f"- start-up, one token (median): one {one_start:.1f} s, ranks {ranks_start:.1f} s; "
             f"past it, ranks vs one: {(one_wall - one_start) / (ranks_wall - ranks_start):.2f}"
         )
     for name, runs in results.items():

@@ -1,6 +1,8 @@
 """Records spread over the ranks of an ``mlx.launch`` job, handed out on demand; rank 0 writes everything.
 
-This room touches mlx only for transport (``mx.distributed``); generation stays in :mod:`mlxpipe.engine`.
+This room touches mlx only for transport, and under ``mlx.launch --backend ring`` not at all: the ranks find
+each other through the ring's hostfile (:mod:`mlxpipe.link`); under other backends through ``mx.distributed``;
+generation stays in :mod:`mlxpipe.engine`.
 
 Input: every rank reads the same FILE arguments, so every rank sees the same records in the same order and
 can name a record by its *position* (0-based, bad records included; records ``--resume`` skips are not in
@@ -8,14 +10,16 @@ the stream, on any rank). Before anything else the ranks compare a digest of the
 (:func:`same_input`); what decides which records are skipped must be the same on every rank too (rank 0
 shares it with :func:`broadcast`).
 
-Ticks. The ranks exchange frames in *ticks*: one :meth:`Ranks.gather` (an ``all_gather`` of the frames'
-lengths, then one of the zero-padded frames) that every rank makes, on its main thread (mlx is not used from
-other threads), at the points where it polls for a stop anyway: once per token while generating, once per
-step under ``--batch`` (:func:`mlxpipe.pipeline.run` calls ``should_stop`` there), at most every
-``TICK_SECONDS`` and every ``TICK_POLLS`` polls (timed: a prefill is one long poll); and at once, again and
-again, while it waits for work or for the job's end, so a waiting rank never paces the others. The gather
-runs on a CPU stream of its own, so it does not wait for the token mlx-lm is computing meanwhile.
-A frame is UTF-8 JSON::
+Ticks. The ranks exchange frames in *ticks*: one :meth:`Ranks.gather` that every rank makes. Over the TCP
+link (the default: every rank connected to rank 0 by a blocking socket, :func:`mlxpipe.link.join`), a helper
+thread of each rank, the *exchange*, ticks every ``EXCHANGE_SECONDS`` whatever the rank computes: the main
+thread only hands it events and takes records, and a wait sleeps in the kernel. With ``MLXPIPE_LINK=off``
+(or where a rank cannot reach rank 0) the gather is mlx's (an ``all_gather`` of the frames' lengths, then
+one of the zero-padded frames, on a CPU stream of its own), which only the main thread may call: the rank
+ticks where it polls for a stop anyway: once per token while generating, once per step under ``--batch``
+(:func:`mlxpipe.pipeline.run` calls ``should_stop`` there), at most every ``TICK_SECONDS`` and every
+``TICK_POLLS`` polls (timed: a prefill is one long poll); and at once, again and again, while it waits for
+work or for the job's end, so a waiting rank never paces the others. A frame is UTF-8 JSON::
 
     {"events": [...], "at": {"<record number>": position}, "want": int, "eof": int | null,
      "idle": bool, "stopped": bool, "stop": int, "quit": str | null}
@@ -23,15 +27,16 @@ A frame is UTF-8 JSON::
 ``events``: the rank's chunk and final events since its last tick (:func:`encode_event`), ``at`` their
 records' positions; ``want``: how many more records it asks for (``--batch`` N, or 1, plus ``LOOKAHEAD``,
 N/4 under ``--batch``, so that it starts its next record without waiting for a tick, minus what it holds;
-no lookahead once fewer records are left than the ranks could hold, where it would leave a rank idle at the
-end; 0 while more than ``HOLD`` * ranks * that depth records are read but not yet written, behind one old
-record still generating);
+no lookahead, and at most an equal share of what is left, once fewer records are left than the ranks could
+hold, where it would leave a rank idle at the end; 0 while more than ``HOLD`` * ranks * that depth records
+are read but not yet written, behind one old record still generating);
 ``eof``: the number of records in its input once it has read the end; ``idle``: its own pipeline has
 finished (the end of input, or a stop); ``stopped``/``stop``: a signal stopped it (the signal's number);
 ``quit``: it leaves the job now (``closed`` when its events were closed: ``--fail-fast``, a closed stdout;
 otherwise the error it raises).
 
-Assignment. After a tick every rank holds the same frames and applies them alike, so no rank coordinates:
+Assignment. After a tick every rank holds the same frames and applies them alike (what it decides depends on
+the frames and on what its own frame said, never on a stop noticed since), so no rank coordinates:
 positions are handed out in input order, ``want`` of them to each rank in rank order. Each rank reads ahead
 of the last position handed out far enough to know whether the input ends within what every rank could take.
 Each record is handed out once, so it is generated once.
@@ -65,16 +70,20 @@ import hashlib
 import json
 import os
 import queue
+import socket
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, cast
 
+from . import link
 from .cpu import mlx_core
 from .events import FINAL_EVENTS, Chunk, Done, Error, Event
 from .interface import EngineLike, ShouldStop
 from .records import BadRecord, Record
+from .switches import OFF, setting
 
 _KINDS: dict[str, type[Chunk] | type[Done] | type[Error]] = {"chunk": Chunk, "done": Done, "error": Error}
 
@@ -102,21 +111,68 @@ class Ranks:
         self.stop_signal = 0  # set by :func:`run` when some rank was interrupted by a signal
         self.gathers = 0
         self.gather_seconds = 0.0  # waiting for the slowest rank included
+        self.star: link.Star | None = None  # the ranks' own TCP link, once every rank has joined it
+        self.threaded = False  # gather may be called from a helper thread (not through mlx)
         self._stream: Any = None
 
     @classmethod
     def init(cls) -> Ranks:
-        """Join the job ``mlx.launch`` started, if any (``mx.distributed.init``); else one rank alone."""
+        """Join the job ``mlx.launch`` started, if any (``mx.distributed.init``), and its TCP link (unless
+        ``MLXPIPE_LINK=off``); else one rank alone."""
         if not launched():
             return cls()  # skip init: a single process needs no backend at all
-        return cls(mlx_core().distributed.init())
+        mode = setting(LINK).lower()
+        hosts = link.ring_hosts() if mode not in OFF and mode != "mlx" else None
+        rank = int(os.environ.get("MLX_RANK", "-1")) if os.environ.get("MLX_RANK", "").isdigit() else -1
+        if hosts is not None and 0 <= rank < len(hosts):
+            # mlx.launch --backend ring: the link alone, mlx's ring is never set up
+            ranks = cls()
+            try:
+                ranks.star = link.join(rank, hosts)
+            except link.Lost as exc:
+                raise RankLost(str(exc)) from None
+            ranks.rank, ranks.size, ranks.threaded = rank, len(hosts), True
+            return ranks
+        ranks = cls(mlx_core().distributed.init())
+        if ranks.size > 1 and mode not in OFF:
+            ranks.connect()
+        return ranks
+
+    def connect(self) -> bool:
+        """Set up the TCP link (:mod:`mlxpipe.link`) through two gathers over mlx; True when every rank
+        joined it. Where some rank cannot reach rank 0 the job stays on mlx's gather."""
+        server, card = None, None
+        if self.rank == 0:
+            with contextlib.suppress(OSError):
+                server, card = link.listen()
+        card = json.loads(self._gather(json.dumps(card).encode())[0])
+        peers: list[socket.socket] | None = None
+        if card is not None:
+            if self.rank == 0 and server is not None:
+                peers = link.accept(server, card, self.size)
+            elif self.rank:
+                sock = link.connect(card, self.rank)
+                peers = [sock] if sock is not None else None
+        joined = all(f == b"1" for f in self._gather(b"1" if peers else b"0"))
+        if joined and peers:
+            self.star, self.threaded = link.Star(self.rank, self.size, peers), True
+        else:
+            for sock in peers or []:
+                sock.close()
+        return joined
 
     def gather(self, frame: bytes) -> list[bytes]:
-        """Every rank's ``frame``, in rank order, on every rank (two ``all_gather`` calls)."""
+        """Every rank's ``frame``, in rank order, on every rank: over the TCP link, else two ``all_gather``
+        calls (on the main thread only)."""
         if self.size == 1:
             return [frame]
         started = time.perf_counter()
         try:
+            if self.star is not None:
+                try:
+                    return self.star.gather(frame)
+                except link.Lost as exc:
+                    raise RankLost(str(exc)) from None
             return self._gather(frame)
         finally:
             self.gathers += 1
@@ -213,6 +269,13 @@ LOOKAHEAD = int(_env_number("MLXPIPE_LOOKAHEAD", 1))
 GATHER_STREAM = "MLXPIPE_GATHER_STREAM"  # "default": the gather queues behind the token (to measure)
 TICK_STATS = "MLXPIPE_TICK_STATS"  # set: each rank says on stderr how many ticks it made, and their time
 HOLD = 4  # records read but not yet written, at most HOLD * ranks * depth: then no rank asks for more
+# Over the TCP link the ticks run on a helper thread, every EXCHANGE_SECONDS, whatever the rank computes: a
+# tick then costs its rank only the frame's encoding (the wait sleeps in the kernel), and a waiting rank
+# gets work within one period.
+EXCHANGE_SECONDS = _env_number("MLXPIPE_EXCHANGE_SECONDS", 0.02)
+# "off": the ticks go through mlx's gather on the main thread (to measure); "mlx": the link is set up through
+# mlx even under the ring backend (to test that path).
+LINK = "MLXPIPE_LINK"
 
 
 def run(
@@ -244,9 +307,9 @@ def run(
         for event in own:
             job.own(event)
             yield from job.release()
-        job.finished = True
+        job.finish()
         while not job.ended and job.error is None:
-            job.tick()
+            job.wait_or_tick()
             yield from job.release()
         yield from job.release()
         if job.error is not None:
@@ -307,15 +370,69 @@ class _Job:
         self.progressed = False  # an own event since the last poll
         self.busy_ticks = 0  # ticks made while generating (at the pipeline's polls), and their time
         self.busy_seconds = 0.0
+        # Over the TCP link a helper thread ticks (the exchange); the lock guards what it shares with the
+        # main thread. Without it the main thread ticks, and the lock is never contended.
+        self.threaded = ranks.threaded
+        self.lock = threading.Condition(threading.RLock())
+        self.exchange: threading.Thread | None = None
+        self.begun = False  # the first tick is over
+        self.quitting: str | None = None  # the reason this rank leaves, for the exchange's last tick
 
     # -- hooks for the pipeline
 
     def start(self) -> None:
         """The first tick: every rank gets its first records before generating."""
-        self._read_ahead()
-        self.tick()
+        if self.threaded:
+            # The input is read on the exchange thread from the start (a read marked as on the main thread
+            # would let a signal raise in the middle of a token).
+            self.exchange = threading.Thread(target=self._exchange, name="mlxpipe-exchange", daemon=True)
+            self.exchange.start()
+            with self.lock:
+                while not self.begun and self.error is None:
+                    self.lock.wait()
+        else:
+            self._read_ahead()
+            self.tick()
         if self.error is not None:
             raise self.error
+
+    def _exchange(self) -> None:
+        """The exchange thread: a tick every ``EXCHANGE_SECONDS`` until the job ends or this rank quits."""
+        try:
+            self._exchanges()
+        except BaseException as exc:  # not raised by a tick: a bug, or the interpreter going away
+            with self.lock:
+                self.error = self.error or RankLost(f"the exchange with the other ranks failed: {exc!r}")
+                self._stop()
+        finally:
+            with self.lock:  # whatever happened, nobody waits for this thread any more
+                self.begun = self.ended = True
+                self.lock.notify_all()
+
+    def _exchanges(self) -> None:
+        with self.lock:
+            try:
+                self._read_ahead()
+            except Exception as exc:
+                self.error = exc
+                self._stop()
+        self.tick()
+        with self.lock:
+            self.begun = True
+            self.lock.notify_all()
+        while True:
+            with self.lock:
+                due = self.last + EXCHANGE_SECONDS
+                while not self.ended and self.quitting is None and (now := time.monotonic()) < due:
+                    self.lock.wait(due - now)
+                if self.ended:
+                    return
+                quit = self.quitting
+            if quit is not None:
+                with contextlib.suppress(Exception):
+                    self._tick(quit=quit)
+                return
+            self.tick()
 
     def mine(self) -> Iterator[Record | BadRecord]:
         """The records handed to this rank, as the pipeline takes them.
@@ -327,15 +444,26 @@ class _Job:
             while (item := self.feed.get()) is not None:
                 yield item
             return
-        while True:
+        while (record := self._next()) is not None:
+            yield record
+
+    def _next(self) -> Record | BadRecord | None:
+        with self.lock:
             while not self.inbox and not self._over() and not self.ended:
-                self.tick()  # waiting for work: tick as soon as the others do
+                if self.threaded:
+                    self.lock.wait()  # the exchange thread hands out records
+                else:
+                    self.tick()  # waiting for work: tick as soon as the others do
             if self.stopping or not self.inbox:
-                return
-            yield self.inbox.popleft()
+                return None
+            return self.inbox.popleft()
 
     def poll(self) -> bool:
         """The pipeline's ``should_stop``: once per token (per step under ``--batch``), tick when due."""
+        if self.threaded:
+            with self.lock:
+                self._notice_stop()
+                return self.stopping
         self._notice_stop()
         now = time.monotonic()
         # Under --batch the pipeline also polls while it waits for a record (nothing in flight, no events
@@ -354,24 +482,48 @@ class _Job:
 
     def own(self, event: Event) -> None:
         """An event of this rank's own records: to send at the next tick, and to write in its turn."""
-        self.outbox.append(event)
-        self.progressed = True
-        if isinstance(event, FINAL_EVENTS):
-            self.held -= 1
-        self._push(event)
+        with self.lock:
+            self.outbox.append(event)
+            self.progressed = True
+            if isinstance(event, FINAL_EVENTS):
+                self.held -= 1
+            self._push(event)
 
     def release(self) -> Iterator[Event]:
         """The events that may be written now."""
-        while self.ready:
-            yield self.ready.popleft()
+        with self.lock:
+            ready, self.ready = self.ready, deque()
+        yield from ready
+
+    def finish(self) -> None:
+        """This rank's own pipeline has returned: nothing in flight, nothing more to send."""
+        with self.lock:
+            self.finished = True
+
+    def wait_or_tick(self) -> None:
+        """After this rank's own records, until the job ends: wait for the others' events."""
+        if not self.threaded:
+            self.tick()
+            return
+        with self.lock:
+            if not self.ended and self.error is None and not self.ready:
+                self.lock.wait()
 
     def close(self) -> None:
         """The job ends here for this rank: tell the others, unless the job ended for all."""
         self.feed.put(None)  # a helper thread waiting for records goes
-        if self.ended:
-            return
         exc = sys.exc_info()[1]
         reason = "closed" if exc is None or isinstance(exc, GeneratorExit) else str(exc) or type(exc).__name__
+        if self.exchange is not None:
+            with self.lock:
+                if not self.ended:
+                    self.quitting = reason
+                    self.lock.notify_all()
+            # The exchange's last tick tells the others; a rank that hangs is the launcher's to end.
+            self.exchange.join(timeout=60)
+            return
+        if self.ended:
+            return
         with contextlib.suppress(Exception):
             self._tick(quit=reason)
 
@@ -382,11 +534,15 @@ class _Job:
         try:
             self._tick()
         except RankLost as exc:
-            self.error, self.ended = exc, True
-            self._stop()
+            with self.lock:
+                self.error, self.ended = exc, True
+                self._stop()
+                self.lock.notify_all()
         except Exception as exc:  # RanksDisagree, a failed read: the others are told as this rank quits
-            self.error = exc
-            self._stop()
+            with self.lock:
+                self.error = exc
+                self._stop()
+                self.lock.notify_all()
 
     def _notice_stop(self) -> None:
         if not self.stopping and self.should_stop():
@@ -394,22 +550,31 @@ class _Job:
             self._stop()
 
     def _tick(self, quit: str | None = None) -> None:
-        self._notice_stop()  # before the frame: a signal may also have cut this rank's input short
-        finals = [e.index for e in self.outbox if isinstance(e, FINAL_EVENTS)]
-        body = {
-            "events": [encode_event(e) for e in self.outbox],
-            "at": {str(i): self.mine_at[i] for i in {e.index for e in self.outbox}},
-            "want": self._want(),
-            "eof": self.eof,
-            "idle": self.finished,
-            "stopped": self.stopped,
-            "stop": self.stop,
-            "quit": quit,
-        }
+        with self.lock:  # the frame is built under the lock, the gather waits without it
+            self._notice_stop()  # before the frame: a signal may also have cut this rank's input short
+            outbox, self.outbox = self.outbox, []
+            # Whether this rank had stopped when it wrote its frame: what it decides after the gather must not
+            # depend on a stop its main thread noticed meanwhile, which the others do not know of.
+            halted = self.stopping
+            body = {
+                "events": [encode_event(e) for e in outbox],
+                "at": {str(i): self.mine_at[i] for i in {e.index for e in outbox}},
+                "want": self._want(),
+                "eof": self.eof,
+                "idle": self.finished,
+                "stopped": self.stopped,
+                "stop": self.stop,
+                "quit": quit,
+            }
         frame = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         frames = [json.loads(f) for f in self.ranks.gather(frame)]
+        with self.lock:
+            self._apply(frames, [e.index for e in outbox if isinstance(e, FINAL_EVENTS)], quit, halted)
+            self.lock.notify_all()
+
+    def _apply(self, frames: list[dict[str, Any]], finals: list[int], quit: str | None, halted: bool) -> None:
+        """One tick's frames, alike on every rank: events, stops, the end, the records handed out."""
         self.last = time.monotonic()
-        self.outbox = []
         for index in finals:
             del self.mine_at[index]
         if quit is not None:
@@ -428,15 +593,16 @@ class _Job:
         if any(f["stopped"] for f in frames):
             self.ranks.stop_signal = next((f["stop"] for f in frames if f["stop"]), 0)
             self._stop()
-        if self.ranks.rank == 0 and not self.stopping:
+            halted = True
+        if self.ranks.rank == 0 and not halted:
             self._check_ends(frames)
         if all(f["idle"] for f in frames):
             self.ended = True
-            if self.ranks.rank == 0 and not self.stopping and self.expect:
+            if self.ranks.rank == 0 and not halted and self.expect:
                 rank, number = min(self.expect.items())[1]
                 raise RanksDisagree(f"rank {rank} never answered record {number}")
             return
-        if not self.stopping:
+        if not halted:
             self._assign([f["want"] for f in frames])
             self._read_ahead()
 
@@ -474,8 +640,12 @@ class _Job:
         depth = self.capacity + self.lookahead
         if self.order is not None and len(self.order) >= HOLD * self.ranks.size * depth:
             return 0  # an old record is still generating: do not read further ahead of it
-        near_end = self.eof is not None and self.eof - self.frontier < self.ranks.size * depth
-        return max(0, (self.capacity if near_end else depth) - self.held)
+        if self.eof is not None and self.eof - self.frontier < self.ranks.size * depth:
+            # Near the end, no lookahead and an equal share of what is left: under --batch the first rank
+            # to ask would otherwise take it all and leave the others idle.
+            share = -(-(self.eof - self.frontier) // self.ranks.size)
+            return max(0, min(self.capacity, share) - self.held)
+        return max(0, depth - self.held)
 
     def _assign(self, wants: list[int]) -> None:
         """Hand out the next positions, in order, to the ranks in rank order: the same on every rank."""

@@ -6,6 +6,7 @@ import io as stdio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 from conftest import REPO, FakeEngine, cli_env, ring_port
 
-from mlxpipe import distributed
+from mlxpipe import distributed, link
 from mlxpipe.cli.render import Renderer
 from mlxpipe.events import FINAL_EVENTS, Chunk, Done, Error, Event
 from mlxpipe.pipeline import run
@@ -58,10 +59,11 @@ class _Board:
 class ThreadRanks(distributed.Ranks):
     """One rank of an in-process job: ``gather`` meets the other threads at a barrier."""
 
-    def __init__(self, rank: int, board: _Board) -> None:
+    def __init__(self, rank: int, board: _Board, threaded: bool = False) -> None:
         super().__init__()
         self.rank, self.size, self.board = rank, len(board.slots), board
         self.gathers = 0
+        self.threaded = threaded  # as over the TCP link: an exchange thread ticks
 
     def gather(self, frame: bytes) -> list[bytes]:
         self.gathers += 1
@@ -141,12 +143,13 @@ def _job(
     stop: Any = None,
     batch: int = 1,
     engine: type[FakeEngine] = FakeEngine,
+    threaded: bool = False,
 ) -> tuple[list[list[Event]], list[Any], list[BaseException | None]]:
     """Run ``distributed.run`` on ``size`` thread ranks; ``data`` per rank or one for all;
-    ``stop(rank, engine)`` is each rank's should_stop. Returns each rank's events, [ranks, engines], and
-    what each rank raised."""
+    ``stop(rank, engine)`` is each rank's should_stop; ``threaded``: ticks on an exchange thread, as over
+    the TCP link. Returns each rank's events, [ranks, engines], and what each rank raised."""
     board = _Board(size)
-    ranks = [ThreadRanks(r, board) for r in range(size)]
+    ranks = [ThreadRanks(r, board, threaded) for r in range(size)]
     engines = [engine() for _ in range(size)]
     out: list[list[Event]] = [[] for _ in range(size)]
     raised: list[BaseException | None] = [None] * size
@@ -188,11 +191,19 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(distributed, "TICK_POLLS", 0.0)
 
 
+@pytest.fixture
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exchange thread ticks every 2 ms: the threaded tests end sooner."""
+    monkeypatch.setattr(distributed, "EXCHANGE_SECONDS", 0.002)
+
+
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_each_record_once_in_input_order_on_every_rank(size: int, batch: int) -> None:
+def test_each_record_once_in_input_order_on_every_rank(size: int, batch: int, threaded: bool) -> None:
     data = _jsonl(7, bad=5)
-    out, (_, engines), raised = _job(size, data, batch=batch, engine=TokenEngine)
+    out, (_, engines), raised = _job(size, data, batch=batch, engine=TokenEngine, threaded=threaded)
     assert raised == [None] * size
     alone = list(run(_records(data, jsonl=True), TokenEngine(), batch=batch))
     assert all(events == alone for events in out)  # same events, same order, chunks included
@@ -231,6 +242,17 @@ def test_records_of_mixed_lengths_are_balanced() -> None:
         assert [e.index for e in events if isinstance(e, Done)] == list(range(1, 17))
 
 
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("threaded", [False, True])
+def test_under_batch_a_short_input_is_shared_between_the_ranks(threaded: bool) -> None:
+    # 16 records and --batch 16 (what --batch auto gives on a CPU): the first rank to ask could take them
+    # all and leave the other idle; each takes half.
+    out, (_, engines), raised = _job(2, _jsonl(16), batch=16, engine=TokenEngine, threaded=threaded)
+    assert raised == [None, None]
+    assert [len(e.history) for e in engines] == [8, 8]
+    assert [e.index for e in out[0] if isinstance(e, Done)] == list(range(1, 17))
+
+
 def test_a_rank_stopped_at_the_start_stops_every_rank() -> None:
     out, (ranks, engines), raised = _job(3, _jsonl(9), stop=lambda r, engine: r == 1)
     assert raised == [None] * 3
@@ -260,6 +282,41 @@ def test_a_rank_stopped_by_a_signal_stops_every_rank_and_the_output_is_a_prefix(
     assert 0 < len(finals) < 20
     asked = sorted(rec.index for engine in engines for rec in engine.history)
     assert len(asked) < 20 and len(set(asked)) == len(asked)
+    assert {rk.stop_signal for rk in ranks} == {2}
+
+
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("stopper", [0, 1])
+def test_over_an_exchange_thread_a_stop_on_one_rank_stops_every_rank_and_the_output_is_a_prefix(
+    batch: int, stopper: int
+) -> None:
+    # The stopped rank notices its signal at its next poll or the exchange's next tick; the others at the
+    # tick after: the output is records 1..K, each once. The signal comes once both ranks generate (an
+    # earlier one would leave record 1 unstarted, and the output empty).
+    engines: list[TokenEngine] = []
+
+    class Seen(TokenEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            engines.append(self)
+
+    prompts = ["w " * (3 + 5 * (i % 3)) for i in range(40)]
+    out, (ranks, _), raised = _job(
+        2,
+        _jsonl(40, prompts=prompts),
+        stop=lambda r, engine: r == stopper and engine.tokens >= 12 and all(e.tokens for e in engines),
+        batch=batch,
+        engine=Seen,
+        threaded=True,
+    )
+    assert raised == [None, None]
+    assert out[0] == out[1]
+    finals = [e for e in out[0] if isinstance(e, FINAL_EVENTS)]
+    assert [e.index for e in finals] == list(range(1, len(finals) + 1))
+    assert 0 < len(finals) < 40
+    asked = sorted(rec.index for engine in engines for rec in engine.history)
+    assert len(asked) < 40 and len(set(asked)) == len(asked)
     assert {rk.stop_signal for rk in ranks} == {2}
 
 
@@ -319,12 +376,14 @@ def test_records_skipped_on_every_rank_leave_no_rank_idle() -> None:
     assert all(len(e.history) == 2 for e in engines)
 
 
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("skip", [2, 5, 6, 7])
-def test_rank_0_notices_a_rank_that_read_other_records(skip: int) -> None:
+def test_rank_0_notices_a_rank_that_read_other_records(skip: int, threaded: bool) -> None:
     # Rank 1 read a stream without record `skip` (another input, or another --resume file).
     full = _records(_jsonl(7), jsonl=True)
     board = _Board(2)
-    ranks = [ThreadRanks(r, board) for r in range(2)]
+    ranks = [ThreadRanks(r, board, threaded) for r in range(2)]
     errors: list[BaseException | None] = [None, None]
 
     def rank_main(r: int) -> None:
@@ -344,11 +403,13 @@ def test_rank_0_notices_a_rank_that_read_other_records(skip: int) -> None:
     assert errors[1] is None  # rank 0 speaks for the job; rank 1 ends quietly
 
 
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("failing", [0, 1])
-def test_closing_the_events_on_one_rank_ends_every_rank(failing: int) -> None:
+def test_closing_the_events_on_one_rank_ends_every_rank(failing: int, threaded: bool) -> None:
     # --fail-fast and a closed stdout close the events on one rank: the others end at the next tick.
     board = _Board(2)
-    ranks = [ThreadRanks(r, board) for r in range(2)]
+    ranks = [ThreadRanks(r, board, threaded) for r in range(2)]
     seen: list[list[int]] = [[], []]
     errors: list[BaseException | None] = [None, None]
 
@@ -389,6 +450,172 @@ def test_events_survive_the_wire() -> None:
 
 def test_one_rank_alone_gathers_its_own_frame() -> None:
     assert distributed.Ranks().gather(b"x") == [b"x"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The TCP link between ranks, over real sockets (ranks as threads)
+
+
+def _star(size: int) -> list[distributed.Ranks]:
+    """``size`` ranks joined by the TCP link as mlx.launch's ranks join it, each to be used by one thread."""
+    server, card = link.listen()
+    peers: list[list[Any] | None] = [None] * size
+
+    def join(r: int) -> None:
+        sock = link.connect(card, r, seconds=20)
+        peers[r] = [sock] if sock else None
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(1, size)]
+    for t in threads:
+        t.start()
+    peers[0] = link.accept(server, card, size, seconds=20)
+    for t in threads:
+        t.join(timeout=30)
+    ranks = []
+    for r in range(size):
+        assert peers[r] is not None
+        ranks.append(distributed.Ranks())
+        ranks[r].rank, ranks[r].size, ranks[r].threaded = r, size, True
+        ranks[r].star = link.Star(r, size, peers[r] or [])
+    return ranks
+
+
+def _each(ranks: list[distributed.Ranks], work: Any) -> list[Any]:
+    """``work(rank)`` on a thread per rank: what each returned, or raised."""
+    got: list[Any] = [None] * len(ranks)
+
+    def main(r: int) -> None:
+        try:
+            got[r] = work(ranks[r])
+        except BaseException as exc:
+            got[r] = exc
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    return got
+
+
+def test_the_tcp_link_gathers_every_frame_and_names_a_rank_that_went_away() -> None:
+    ranks = _star(3)
+    got = _each(ranks, lambda rk: [rk.gather(bytes([65 + rk.rank]) * n * rk.rank) for n in (0, 1, 100_000)])
+    for rounds in got:
+        assert rounds == [[b"", b"", b""], [b"", b"B", b"CC"], [b"", b"B" * 100_000, b"CC" * 100_000]]
+    assert ranks[2].star is not None
+    ranks[2].star.close()  # as its process dies: the kernel closes its end
+    lost = _each(ranks[:2], lambda rk: rk.gather(b"x"))
+    assert isinstance(lost[0], distributed.RankLost) and "rank 2" in str(lost[0])
+    assert isinstance(lost[1], distributed.RankLost) and "rank 0" in str(lost[1])  # rank 0 went on to fail
+
+
+def test_ranks_of_a_ring_job_join_the_link_at_rank_0_s_hostfile_address() -> None:
+    hosts = [f"127.0.0.1:{ring_port()}", "127.0.0.1:1", "127.0.0.1:2"]  # only rank 0's address is used
+    stars: list[Any] = [None] * 3
+
+    def rank_main(r: int) -> None:
+        if r:
+            time.sleep(0.3)  # ranks start when they start: the others wait for rank 0, or rank 0 for them
+        try:
+            stars[r] = link.join(r, hosts, seconds=20)
+        except link.Lost as exc:
+            stars[r] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (2, 1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(isinstance(star, link.Star) for star in stars), stars
+    got: list[Any] = [None] * 3
+    gathers = [
+        threading.Thread(target=lambda r=r: got.__setitem__(r, stars[r].gather(b"%d" % r))) for r in range(3)
+    ]
+    for t in gathers:
+        t.start()
+    for t in gathers:
+        t.join(timeout=30)
+    assert got == [[b"0", b"1", b"2"]] * 3
+    for star in stars:
+        star.close()
+    # A rank alone: rank 0 never comes, so the rank says where it looked.
+    with pytest.raises(link.Lost, match=r"rank 1 could not reach rank 0 at 127\.0\.0\.1:\d+ within 2 s"):
+        link.join(1, hosts, seconds=2)
+
+
+def test_the_tcp_link_takes_only_the_ranks_of_its_job() -> None:
+    server, card = link.listen()
+    with socket.create_connection(("127.0.0.1", card["port"])) as stranger:
+        stranger.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        wrong = link.connect(dict(card, token="0" * 32), 1, seconds=1)
+        assert wrong is None  # the listener did not answer with this job's token
+        sock: list[Any] = []
+        t = threading.Thread(target=lambda: sock.append(link.connect(card, 1, seconds=20)))
+        t.start()
+        peers = link.accept(server, card, 2, seconds=20)
+        t.join(timeout=30)
+    assert peers is not None and sock[0] is not None
+    star = [link.Star(0, 2, peers), link.Star(1, 2, sock)]
+    got: list[Any] = [None, None]
+    threads = [
+        threading.Thread(target=lambda r=r: got.__setitem__(r, star[r].gather(b"%d" % r))) for r in (0, 1)
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    assert got == [[b"0", b"1"], [b"0", b"1"]]
+
+
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_records_over_the_tcp_link_each_once_in_input_order(batch: int) -> None:
+    data = _jsonl(9, bad=4, prompts=["w " * (1 + 4 * (i % 3)) for i in range(9)])
+    engines = [TokenEngine() for _ in range(3)]
+    ranks = _star(3)
+    got = _each(
+        ranks,
+        lambda rk: list(
+            distributed.run(
+                _records(data, jsonl=True), engines[rk.rank], rk, lambda: False, lambda: None, batch
+            )
+        ),
+    )
+    alone = list(run(_records(data, jsonl=True), TokenEngine(), batch=batch))
+    assert got == [alone] * 3
+    assert sorted(rec.index for e in engines for rec in e.history) == [1, 2, 3, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.usefixtures("quick")
+def test_a_rank_whose_link_breaks_ends_the_run_on_the_others_with_a_prefix() -> None:
+    data = _jsonl(30, prompts=["w " * 6] * 30)
+    ranks = _star(3)
+
+    class Dies(TokenEngine):
+        def generate(self, record: Record, should_stop: Any = lambda: False) -> Any:
+            if self.tokens >= 12:  # rank 2 dies: its sockets close, nothing more is sent
+                assert ranks[2].star is not None
+                ranks[2].star.close()
+                raise SystemExit
+            yield from super().generate(record, should_stop)
+
+    def work(rk: distributed.Ranks) -> list[Event]:
+        engine = Dies() if rk.rank == 2 else TokenEngine()
+        out: list[Event] = []
+        try:
+            out.extend(distributed.run(_records(data, jsonl=True), engine, rk, lambda: False, lambda: None))
+        except distributed.RankLost as exc:
+            out.append(Error(0, None, "", 0, str(exc)))
+        return out
+
+    got = _each(ranks, work)
+    assert isinstance(got[2], SystemExit)
+    for out in got[:2]:
+        assert isinstance(out[-1], Error)  # RankLost
+        finals = [e.index for e in out[:-1] if isinstance(e, FINAL_EVENTS)]
+        assert finals == list(range(1, len(finals) + 1)) and len(finals) < 30
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,11 +752,15 @@ GATHER = """
 from mlxpipe.distributed import Ranks, broadcast
 ranks = Ranks.init()
 print(ranks.rank, ranks.size, ranks.gather(b"x" * (3 + 5 * ranks.rank)), ranks.gather(b""),
-      broadcast(ranks, b"from 0" if ranks.rank == 0 else b"ignored"), flush=True)
+      broadcast(ranks, b"from 0" if ranks.rank == 0 else b"ignored"), ranks.threaded, flush=True)
 """
 
 
-def test_gather_and_broadcast_over_the_ring() -> None:
+@pytest.mark.parametrize("mode", ["", "mlx", "off"])
+def test_gather_and_broadcast_over_the_ring(mode: str) -> None:
+    # By default the ranks gather over their own TCP link, found through the ring's hostfile; with
+    # MLXPIPE_LINK=mlx it is set up through mlx's gather (as under other backends); =off keeps mlx's gather.
+    tcp = mode != "off"
     if not LAUNCH.exists():
         pytest.skip("mlx.launch is not installed next to this python")
     cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(ring_port()), "--python", sys.executable]
@@ -538,11 +769,11 @@ def test_gather_and_broadcast_over_the_ring() -> None:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=cli_env(),
+        env=cli_env(MLXPIPE_LINK=mode),
     )
     out, err = _finish(p, timeout=120)
     assert sorted(out.decode().splitlines()) == [
-        f"{rank} 2 [b'xxx', b'xxxxxxxx'] [b'', b''] b'from 0'" for rank in (0, 1)
+        f"{rank} 2 [b'xxx', b'xxxxxxxx'] [b'', b''] b'from 0' {tcp}" for rank in (0, 1)
     ], err
 
 
@@ -598,7 +829,9 @@ def test_a_rank_that_dies_ends_the_run_with_a_clear_message_and_resume_finishes(
 @pytest.mark.model
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's process in /proc")
 def test_sigterm_to_rank_0_stops_every_rank_after_the_round(tmp_path: Path) -> None:
-    lines = [json.dumps({"id": f"q{i}", "prompt": p}) for i, p in enumerate(PROMPTS * 4, 1)]
+    # 64 records: under --batch auto (16 on a CPU) each rank holds up to 20 at a time, and only records
+    # handed out before the stop are answered.
+    lines = [json.dumps({"id": f"q{i}", "prompt": p}) for i, p in enumerate(PROMPTS * 8, 1)]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     tag = f"{os.getpid()}-{time.time()}"
     p = _launch(
@@ -615,7 +848,7 @@ def test_sigterm_to_rank_0_stops_every_rank_after_the_round(tmp_path: Path) -> N
     assert [e["id"] for e in finals] == [
         f"q{i}" for i in range(1, len(finals) + 1)
     ]  # whole records, in order
-    assert len(finals) < 32
+    assert len(finals) < 64
     assert "Node with rank 0 exited with code 143" in err
     assert "Node with rank 1" not in err and "mlxpipe" not in err
 

@@ -85,9 +85,13 @@ def _main(argv: list[str] | None, console: Console) -> int:
     if args.interactive:
         args.batch = 1
 
-    from ..distributed import Ranks  # imports mlx: --help and usage errors need not wait for it
+    from ..distributed import RankLost, Ranks  # imports mlx: --help and usage errors need not wait for it
 
-    ranks = Ranks.init()
+    try:
+        ranks = Ranks.init()
+    except RankLost as exc:
+        console.say(f"mlxpipe: error: the ranks of the mlx.launch job could not connect: {exc}")
+        return EXIT_FAILED
     if ranks.rank:
         console.name = f"mlxpipe[rank {ranks.rank}]"
     started = _start(args, console, ranks)
