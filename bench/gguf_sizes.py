@@ -18,7 +18,6 @@ type: bytes in the file and in the converted folder. Needs the `bench` extra (ll
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "bench")]
 
-from gguf_conformance import smollm_bpe  # noqa: E402
+from gguf_conformance import quantize, smollm_bpe  # noqa: E402
 from gguf_factory import dequantized_copy, write_gguf  # noqa: E402
 
 TYPES = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q3_K_M", "Q2_K"]
@@ -71,18 +70,6 @@ def source(model: str, folder: Path) -> Path:
         folder / f"{model}-F32.gguf", "llama", tok, hidden=2048, layers=6, heads=32, kv_heads=8, ffn=8192,
         seed=3,
     )  # fmt: skip
-
-
-def quantize(src: Path, qtype: str) -> Path:
-    import llama_cpp
-
-    dst = src.with_name(src.name.replace("-F32", f"-{qtype}"))
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}")
-    params.nthread = 2
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
-        raise RuntimeError(f"llama.cpp could not quantize {src} to {qtype}")
-    return dst
 
 
 def child(path: Path, mode: str, cache: Path) -> tuple[Path, int, int, float]:

@@ -74,6 +74,7 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(blas, "_cuda_backend", lambda: state["cuda"])
     monkeypatch.setattr(blas, "_load", load)
     monkeypatch.setattr(blas.gemv, "install", install)
+    monkeypatch.setattr(blas.gemv, "attached", lambda: False)  # an engine loaded earlier in this process
     monkeypatch.setattr(blas, "_library", None)  # the loaded library, as setup() keeps it
     monkeypatch.setattr(blas, "_library_threads", None)
     return state

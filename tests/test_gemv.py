@@ -23,6 +23,17 @@ from mlxpipe.cpu import blas, gemv
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
 
 
+def _own_shim(openblas: Any, quantized: bool = False) -> Any:
+    """A copy of the shim of its own (its table of attached matrices starts empty), in front of OpenBLAS."""
+    shim = ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL)
+    if quantized and not shim.mlxpipe_qgemv_available():
+        pytest.skip("the quantized kernels need AVX-512")
+    assert shim.mlxpipe_gemv_init(
+        ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
+    )
+    return shim
+
+
 @pytest.fixture
 def openblas() -> Any:
     candidates = blas._candidates()
@@ -171,12 +182,7 @@ def _quantized(rng: Any, n: int, k: int, bits: int, group: int = 32) -> tuple[np
 
 
 def test_quantized_rows_match_numpy_and_fall_back_when_they_cannot(openblas: Any) -> None:
-    shim = ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL)  # a copy of its own: its table starts empty
-    if not shim.mlxpipe_qgemv_available():
-        pytest.skip("the quantized kernels need AVX-512")
-    assert shim.mlxpipe_gemv_init(
-        ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
-    )
+    shim = _own_shim(openblas, quantized=True)
     shim.mlxpipe_qgemv_calls.restype = ctypes.c_long
     ptr = ctypes.c_void_p
     rng = np.random.default_rng(11)
@@ -258,12 +264,7 @@ def test_the_embedded_models_one_row_products_read_its_quantized_weights(engine:
 
 
 def test_quantized_products_of_several_rows_match_numpy(openblas: Any) -> None:
-    shim = ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL)  # a copy of its own: its table starts empty
-    if not shim.mlxpipe_qgemv_available():
-        pytest.skip("the quantized kernels need AVX-512")
-    assert shim.mlxpipe_gemv_init(
-        ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
-    )
+    shim = _own_shim(openblas, quantized=True)
     shim.mlxpipe_qgemm_calls.restype = ctypes.c_long
     ptr = ctypes.c_void_p
     rng = np.random.default_rng(13)
@@ -354,29 +355,12 @@ def test_amx_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -
             alone = product(w, np.ascontiguousarray(x[[m - 1, 0]]), 0.5)
             assert (alone[0] == together[m - 1]).all() and (alone[1] == together[0]).all()
     # Groups other than 32 stay on the float32 kernels: a row's sums are the one-row kernel's.
-    w, packed, scales, biases = _quantized(rng, 64, 512, 4, 64)
-    assert shim.mlxpipe_qgemv_register(
-        ptr(w.ctypes.data),
-        64,
-        512,
-        4,
-        64,
-        ptr(packed.ctypes.data),
-        ptr(scales.ctypes.data),
-        ptr(biases.ctypes.data),
-    )
     x = rng.standard_normal((20, 512)).astype(np.float32)
-    assert (product(w, x)[5] == product(w, x[5:6])[0]).all()
-    shim.mlxpipe_qgemm_amx(0)
-    w, packed, scales, biases = _quantized(rng, 64, 512, 4)
-    assert shim.mlxpipe_qgemv_register(
-        ptr(w.ctypes.data),
-        64,
-        512,
-        4,
-        32,
-        ptr(packed.ctypes.data),
-        ptr(scales.ctypes.data),
-        ptr(biases.ctypes.data),
-    )
-    assert (product(w, x)[5] == product(w, x[5:6])[0]).all()  # MLXPIPE_AMX=off: the one-row kernel's sums
+    for group, amx in [(64, 2), (32, 0)]:  # groups of 64 stay on float32 kernels; then MLXPIPE_AMX=off
+        shim.mlxpipe_qgemm_amx(amx)
+        w, packed, scales, biases = _quantized(rng, 64, 512, 4, group)
+        assert shim.mlxpipe_qgemv_register(
+            ptr(w.ctypes.data), 64, 512, 4, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
+            ptr(biases.ctypes.data),
+        )  # fmt: skip
+        assert (product(w, x)[5] == product(w, x[5:6])[0]).all()
