@@ -110,7 +110,9 @@ class Engine:
         # Float32 on a CPU computes from the dequantized weights; one-row products can still read the
         # quantized ones (mlxpipe.cpu.gemv), which the dequantizing would otherwise drop.
         forms = quantized.forms(model) if used == "float32" and gemv.quantized_available() else {}
-        engine = cls(apply_dtype(model, used), tokenizer, source, folder, used, reason)
+        # A GGUF conversion's float32 matrices are kept in the cache: reading them beats dequantizing.
+        stored = models.derived_file(folder, f"float32-mlx{getattr(mx, '__version__', '')}.safetensors")
+        engine = cls(apply_dtype(model, used, stored), tokenizer, source, folder, used, reason)
         engine.quantized_rows = quantized.attach(engine, engine.model, forms, (generation_stream,))
         # mx.fast's norms and RoPE have no CPU kernels, mlx's CPU exp is slow: on a CPU, compiled stand-ins.
         if accelerator() is None and layers.enabled():

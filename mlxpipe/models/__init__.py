@@ -9,7 +9,7 @@ Nothing here imports ``mlx`` or ``mlx_lm`` at import time, so ``--help`` stays i
 """
 
 from ..errors import ModelError
-from .cache import CONVERTER_VERSION, materialize
+from .cache import CONVERTER_VERSION, derived_file, materialize
 from .describe import describe
 from .gguf import convert_gguf
 from .source import EMBEDDED_NAME, ModelSource, resolve
@@ -20,6 +20,7 @@ __all__ = [
     "ModelError",
     "ModelSource",
     "convert_gguf",
+    "derived_file",
     "describe",
     "materialize",
     "resolve",
