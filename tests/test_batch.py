@@ -317,13 +317,13 @@ def test_prompts_are_read_in_chunks_of_the_backends_prefill_step(engine, monkeyp
 
     assert engine.prefill_step == (256 if mx.default_device() == mx.cpu else 2048)
     seen: dict[str, Any] = {}
-    real = engine_module.mlx_lm.stream_generate
+    real = engine_module.stream_generate
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.update(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module.mlx_lm, "stream_generate", spy)
+    monkeypatch.setattr(engine_module, "stream_generate", spy)
     (rec,) = records_from_objects([PARIS], Settings(max_tokens=1))
     assert [type(e).__name__ for e in engine.generate(rec)][-1] == "Done"
     assert seen["prefill_step_size"] == engine.prefill_step

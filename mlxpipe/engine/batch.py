@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
 
 from ..errors import RecordError
 from ..events import Chunk, Done, Error, decode_tps
@@ -77,6 +76,8 @@ class Batch:
     def __init__(self, engine: Engine, size: int) -> None:
         self.engine = engine
         self.size = size
+        from mlx_lm.generate import BatchGenerator  # imports transformers: only when batching
+
         self._eos = set(engine.tokenizer.eos_token_ids)
         self._gen = BatchGenerator(
             engine.model,

@@ -14,21 +14,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
-import mlx_lm
-from mlx_lm.generate import generation_stream
 from mlx_lm.models import llama
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .. import models
 from ..cpu import blas, gemv, layers, quantized
 from ..errors import ModelError, first_line
 from ..events import Chunk, Done, decode_tps
 from ..records import Record
-from . import sampling
+from . import loader, sampling
 from .batch import Batch, auto_size
 from .choices import choose
 from .constraints import Constraints
 from .dtype import accelerator, apply_dtype, available_memory, choose_dtype
+from .generate import generation_stream, stream_generate
 from .prefix import PrefixCache
 from .prompts import Prompts
 
@@ -52,13 +50,14 @@ class Engine:
     def __init__(
         self,
         model: Any,
-        tokenizer: TokenizerWrapper,
+        tokenizer: Any,
         source: models.ModelSource,
         folder: str,
         dtype: str = "quantized",
         dtype_reason: str = "as loaded",
     ) -> None:
-        # model is an mlx.nn.Module, which mlx's package does not export to type checkers.
+        # model is an mlx.nn.Module, which mlx's package does not export to type checkers; tokenizer is
+        # mlx-lm's TokenizerWrapper or the engine's own (.tokenizer.FastTokenizer), which answers alike.
         self.model = model
         self.tokenizer = tokenizer
         self.source = source
@@ -74,7 +73,7 @@ class Engine:
         self.prompts = Prompts(tokenizer, self.context_length)
         self.prefixes = PrefixCache(model, self.prefill_step)
         self.constraints = Constraints(tokenizer)
-        self.vocab_size = len(tokenizer.get_vocab())
+        self.vocab_size = len(tokenizer)
         # We check prompt length against the context ourselves, on the record's error line; the
         # tokenizer's own warning about it would be a stray line on stderr.
         tokenizer.model_max_length = sys.maxsize
@@ -92,13 +91,7 @@ class Engine:
         source = models.resolve(spec)
         folder = models.materialize(source)
         try:
-            # Both explicit: transformers would otherwise ask on the terminal, reading our stdin.
-            loaded = mlx_lm.load(
-                folder,
-                tokenizer_config={"trust_remote_code": trust_remote_code},
-                trust_remote_code=trust_remote_code,
-            )  # typed as a 2- or 3-tuple (return_config); we ask for two
-            model, tokenizer = loaded[0], loaded[1]
+            model, tokenizer = loader.load(folder, trust_remote_code)
         except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds; the user needs one line
             if not trust_remote_code and "trust_remote_code" in str(exc):
                 raise ModelError(
@@ -113,7 +106,7 @@ class Engine:
         # A GGUF conversion's float32 matrices are kept in the cache: reading them beats dequantizing.
         stored = models.derived_file(folder, f"float32-mlx{getattr(mx, '__version__', '')}.safetensors")
         engine = cls(apply_dtype(model, used, stored), tokenizer, source, folder, used, reason)
-        engine.quantized_rows = quantized.attach(engine, engine.model, forms, (generation_stream,))
+        engine.quantized_rows = quantized.attach(engine, engine.model, forms, _streams)
         # mx.fast's norms and RoPE have no CPU kernels, mlx's CPU exp is slow: on a CPU, compiled stand-ins.
         if accelerator() is None and layers.enabled():
             engine.cpu_fast_paths = layers.apply(engine.model)
@@ -203,7 +196,7 @@ class Engine:
             processors = [sampling.after_prefix(tokens[:cached], processors)]
         stops = sampling.StopStrings(s.stop)
         text: list[str] = []
-        responses = mlx_lm.stream_generate(
+        responses = stream_generate(
             self.model,
             self.tokenizer,
             tokens[cached:],
@@ -252,3 +245,9 @@ class Engine:
         """A :class:`.batch.Batch` of up to ``size`` records generating together."""
         blas.use_threads(size)
         return Batch(self, size)
+
+
+def _streams() -> tuple[Any, ...]:
+    """The streams generation runs on: ours, and mlx-lm's when a batch has used it."""
+    lm = sys.modules.get("mlx_lm.generate")
+    return (generation_stream,) if lm is None else (generation_stream, lm.generation_stream)
