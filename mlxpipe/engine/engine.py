@@ -67,7 +67,7 @@ class Engine:
         self.cpu_fast_paths: list[str] = []  # layers swapped by mlxpipe.cpu.layers (set by load)
         self.quantized_rows = 0  # weight matrices whose one-row products read quantized bytes (set by load)
         self.batch_choice: dict[str, Any] | None = None  # what --batch auto chose and why (set by auto_batch)
-        self.context_length = int(models.describe(source, folder).get("context_length") or 0)
+        self.context_length = models.context_length(folder)
         self.reuse_prefix = True
         self.prefill_step = _CPU_PREFILL_STEP if accelerator() is None else _GPU_PREFILL_STEP
         self.prompts = Prompts(tokenizer, self.context_length)

@@ -72,14 +72,17 @@ def _steps(
         mx.async_eval(y)  # type: ignore[no-untyped-call]  # (mlx ships no types for it)
         n = 0
         while True:
-            if n != max_tokens:
+            # The next step is queued before this token is handed out, except after the last one (mlx-lm
+            # computes that one too, and drops it: one decode step of a one-token answer).
+            more = max_tokens < 0 or n + 1 < max_tokens
+            if more:
                 next_y = step(y)
                 mx.async_eval(next_y)  # type: ignore[no-untyped-call]
             if n == 0:
                 mx.eval(y)
-            if n == max_tokens:
-                break
             yield int(y.item())  # type: ignore[arg-type]
+            if not more:
+                break
             if n % 256 == 0:
                 mx.clear_cache()
             y = next_y

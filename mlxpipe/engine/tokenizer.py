@@ -46,8 +46,11 @@ def load(folder: str, eos_token_ids: Sequence[int] = ()) -> FastTokenizer | None
     root = Path(folder)
     try:
         config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
-        spec = json.loads((root / "tokenizer.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        backend = Tokenizer.from_file(str(root / "tokenizer.json"))
+        # The decoder as tokenizer.json spells it (what mlx-lm picks the detokenizer by), without reading
+        # the whole file's JSON in Python.
+        decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else None
+    except Exception:  # unreadable or not ours (tokenizers raises plain Exceptions): mlx-lm's loader says why
         return None
     template = config.get("chat_template")
     if (
@@ -66,13 +69,12 @@ def load(folder: str, eos_token_ids: Sequence[int] = ()) -> FastTokenizer | None
         )
     ):
         return None
-    backend = Tokenizer.from_str(json.dumps(spec))
     specials = {k: _content(config[k]) or "" for k in _SPECIAL_KEYS if config.get(k) is not None}
     if any(backend.token_to_id(v) is None for v in specials.values()):
         return None
     if any(all(backend.token_to_id(t) is not None for t in marks) for marks in _MULTI_TOKEN_THINKING):
         return None
-    return FastTokenizer(backend, spec.get("decoder"), specials, template, eos_token_ids, root)
+    return FastTokenizer(backend, decoder, specials, template, eos_token_ids, root)
 
 
 def _content(token: Any) -> str | None:
@@ -289,9 +291,12 @@ class _SentencePiece(_Detokenizer):
 
     def __init__(self, tokenizer: FastTokenizer, trim_space: bool = True) -> None:
         self.trim_space = trim_space
-        tokens = tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
-        self.tokenmap = [bytes([int(t[3:5], 16)]) if t.startswith("<0x") else t.encode() for t in tokens]
+        self._token = tokenizer.backend_tokenizer.id_to_token  # looked up per token, not mapped up front
         self.reset()
+
+    def _bytes(self, token: int) -> bytes:
+        t = self._token(token) or ""
+        return bytes([int(t[3:5], 16)]) if t.startswith("<0x") else t.encode()  # byte tokens: their hex
 
     def reset(self) -> None:
         self.offset = 0
@@ -310,7 +315,7 @@ class _SentencePiece(_Detokenizer):
 
     def add_token(self, token: int) -> None:
         self.tokens.append(token)
-        self._unflushed += self.tokenmap[token]
+        self._unflushed += self._bytes(token)
         self._try_flush()
 
     def finalize(self) -> None:
@@ -339,7 +344,8 @@ class _BytePairs(_Detokenizer):
     """mlx-lm's ``BPEStreamingDetokenizer``: byte-level BPE, text released once its UTF-8 is whole."""
 
     def __init__(self, tokenizer: FastTokenizer) -> None:
-        self.tokenmap = tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
+        self._token = tokenizer.backend_tokenizer.id_to_token  # looked up per token, not mapped up front
+        self._size = len(tokenizer)
         self.reset()
 
     def reset(self) -> None:
@@ -368,7 +374,7 @@ class _BytePairs(_Detokenizer):
 
     def add_token(self, token: int) -> None:
         self.tokens.append(token)
-        v = self.tokenmap[token] if token < len(self.tokenmap) else "!"
+        v = (self._token(token) or "") if token < self._size else "!"  # (mlx-lm's padded-vocabulary case)
         self._unflushed += v
         text = self._decode_bytes(self._unflushed)
         # Multi-byte characters wait until whole; a lone space waits for the next token.

@@ -10,7 +10,7 @@ Nothing here imports ``mlx`` or ``mlx_lm`` at import time, so ``--help`` stays i
 
 from ..errors import ModelError
 from .cache import CONVERTER_VERSION, derived_file, materialize
-from .describe import describe
+from .describe import context_length, describe
 from .gguf import convert_gguf
 from .source import EMBEDDED_NAME, ModelSource, resolve
 
@@ -19,6 +19,7 @@ __all__ = [
     "EMBEDDED_NAME",
     "ModelError",
     "ModelSource",
+    "context_length",
     "convert_gguf",
     "derived_file",
     "describe",
