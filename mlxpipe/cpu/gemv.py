@@ -157,8 +157,9 @@ def attach(weight: Any, q: Any, scales: Any, biases: Any, bits: int, group_size:
     ``q``, ``scales``, ``biases``, ``bits`` and ``group_size``: the quantized form ``weight`` was
     dequantized from (mlx's affine layout: ``weight = scales * q + biases`` per group of ``group_size``).
     Arrays with the buffer protocol (mlx's, numpy's), evaluated; ``weight`` must be the very array the
-    model multiplies by (its address is the key), the others are copied. False, and nothing registered,
-    when the library, the CPU or the layout does not allow it.
+    model multiplies by (its address is the key), the others are read where they lie (held here until
+    :func:`detach`; copied when not C-ordered, or not float32 for the scales and biases). False, and nothing
+    registered, when the library, the CPU or the layout does not allow it.
     """
     import numpy as np
 
@@ -166,9 +167,10 @@ def attach(weight: Any, q: Any, scales: Any, biases: Any, bits: int, group_size:
         return False
     n, k = weight.shape
     key = _address(weight)
-    # Copies that this module owns, for the C side to read; the float32 matrix is only compared by address.
-    q = np.array(memoryview(q), copy=True, order="C")
-    scales, biases = (np.array(memoryview(a), dtype=np.float32, order="C") for a in (scales, biases))
+    # Views this module holds (mlx arrays never change once computed), for the C side to read; copying the
+    # quantized bytes cost a tenth of a start-up (bench/RESULTS.md). The float32 matrix is only an address.
+    q = np.asarray(memoryview(q), order="C")
+    scales, biases = (np.asarray(memoryview(a), dtype=np.float32, order="C") for a in (scales, biases))
     p = ctypes.c_void_p
     ok = _shim.mlxpipe_qgemv_register(
         p(key), n, k, bits, group_size, p(q.ctypes.data), p(scales.ctypes.data), p(biases.ctypes.data)

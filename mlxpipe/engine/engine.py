@@ -91,21 +91,22 @@ class Engine:
         source = models.resolve(spec)
         folder = models.materialize(source)
         try:
-            model, tokenizer = loader.load(folder, trust_remote_code)
+            model, load_tokenizer = loader.load(folder, trust_remote_code)
         except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds; the user needs one line
-            if not trust_remote_code and "trust_remote_code" in str(exc):
-                raise ModelError(
-                    f"model {source.spec!r} needs to run its own Python code to load; "
-                    "pass --trust-remote-code if you trust it"
-                ) from None
-            raise ModelError(f"cannot load model {source.spec!r}: {first_line(exc)}") from None
+            raise _load_error(source.spec, exc, trust_remote_code) from None
         used, reason = choose_dtype(model, dtype, batch)
         # Float32 on a CPU computes from the dequantized weights; one-row products can still read the
         # quantized ones (mlxpipe.cpu.gemv), which the dequantizing would otherwise drop.
         forms = quantized.forms(model) if used == "float32" and gemv.quantized_available() else {}
         # A GGUF conversion's float32 matrices are kept in the cache: reading them beats dequantizing.
         stored = models.derived_file(folder, f"float32-mlx{getattr(mx, '__version__', '')}.safetensors")
-        engine = cls(apply_dtype(model, used, stored), tokenizer, source, folder, used, reason)
+        model = apply_dtype(model, used, stored, wait=False)  # mlx computes them while the tokenizer loads
+        try:
+            tokenizer = load_tokenizer()
+        except Exception as exc:
+            raise _load_error(source.spec, exc, trust_remote_code) from None
+        mx.eval(model.parameters())
+        engine = cls(model, tokenizer, source, folder, used, reason)
         engine.quantized_rows = quantized.attach(engine, engine.model, forms, _streams)
         # mx.fast's norms and RoPE have no CPU kernels, mlx's CPU exp is slow: on a CPU, compiled stand-ins.
         if accelerator() is None and layers.enabled():
@@ -251,3 +252,13 @@ def _streams() -> tuple[Any, ...]:
     """The streams generation runs on: ours, and mlx-lm's when a batch has used it."""
     lm = sys.modules.get("mlx_lm.generate")
     return (generation_stream,) if lm is None else (generation_stream, lm.generation_stream)
+
+
+def _load_error(spec: str, exc: Exception, trust_remote_code: bool) -> ModelError:
+    """One line for what mlx-lm, transformers or huggingface_hub raised while loading ``spec``."""
+    if not trust_remote_code and "trust_remote_code" in str(exc):
+        return ModelError(
+            f"model {spec!r} needs to run its own Python code to load; "
+            "pass --trust-remote-code if you trust it"
+        )
+    return ModelError(f"cannot load model {spec!r}: {first_line(exc)}")

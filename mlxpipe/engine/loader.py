@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,22 +63,39 @@ def _defer_mlx_lm() -> None:
 _defer_mlx_lm()
 
 
-def load(folder: str, trust_remote_code: bool = False) -> tuple[Any, Any]:
-    """``folder``'s model (weights evaluated) and tokenizer; raises what ``mlx_lm.load`` raises."""
-    loaded = _load_plain(Path(folder))
-    if loaded is not None:
-        return loaded
-    import mlx_lm
+def load(folder: str, trust_remote_code: bool = False) -> tuple[Any, Callable[[], Any]]:
+    """``folder``'s model (weights evaluated) and a function that loads its tokenizer (for the caller to call
+    once it has queued work on the weights, which mlx computes meanwhile); raises what ``mlx_lm.load``
+    raises."""
+    root = Path(folder)
+    loaded = _load_plain(root)
+    if loaded is None:
+        import mlx_lm
 
-    # Both explicit: transformers would otherwise ask on the terminal, reading our stdin.
-    model, tokenizer, *_ = mlx_lm.load(
-        folder, tokenizer_config={"trust_remote_code": trust_remote_code}, trust_remote_code=trust_remote_code
-    )
-    return model, tokenizer
+        # Both explicit: transformers would otherwise ask on the terminal, reading our stdin.
+        model, tokenizer, *_ = mlx_lm.load(
+            folder,
+            tokenizer_config={"trust_remote_code": trust_remote_code},
+            trust_remote_code=trust_remote_code,
+        )
+        return model, lambda: tokenizer
+    model, config = loaded
+    eos = config.get("eos_token_id")
+
+    def load_tokenizer() -> Any:
+        fast = fast_tokenizer.load(folder, [eos] if isinstance(eos, int) else list(eos or []))
+        if fast is not None:
+            return fast
+        from mlx_lm.utils import load_tokenizer as mlx_lm_tokenizer  # transformers: for other tokenizers
+
+        return mlx_lm_tokenizer(root, {"trust_remote_code": trust_remote_code}, eos_token_ids=eos)
+
+    return model, load_tokenizer
 
 
-def _load_plain(root: Path) -> tuple[Any, Any] | None:
-    """What ``mlx_lm.utils.load_model`` builds for a folder this path covers; None for any other folder."""
+def _load_plain(root: Path) -> tuple[Any, dict[str, Any]] | None:
+    """What ``mlx_lm.utils.load_model`` builds (and its config) for a folder this path covers; None for any
+    other folder."""
     try:
         config = json.loads((root / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -93,10 +111,6 @@ def _load_plain(root: Path) -> tuple[Any, Any] | None:
         and not (root / "hf_quant_config.json").exists()
     )
     if not plain:
-        return None
-    eos = config.get("eos_token_id")
-    tokenizer = fast_tokenizer.load(str(root), [eos] if isinstance(eos, int) else list(eos or []))
-    if tokenizer is None:
         return None
     weights: dict[str, Any] = {}
     for file in files:
@@ -118,7 +132,7 @@ def _load_plain(root: Path) -> tuple[Any, Any] | None:
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
-    return model, tokenizer
+    return model, config
 
 
 def _quantized_layers(

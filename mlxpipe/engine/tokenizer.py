@@ -168,7 +168,7 @@ class FastTokenizer:
     def _transformers(self) -> Any:
         """mlx-lm's wrapper of transformers' tokenizer for this folder (imported on first need)."""
         if self._full is None:
-            from mlx_lm.tokenizer_utils import load as load_tokenizer
+            from mlx_lm.utils import load_tokenizer
 
             self._full = load_tokenizer(self._folder, eos_token_ids=sorted(self.eos_token_ids))
             self._full.model_max_length = self.model_max_length  # the engine's: no warning of its own
