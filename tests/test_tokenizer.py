@@ -106,3 +106,19 @@ def test_one_record_runs_without_transformers() -> None:
     # The command itself gives the same answer (its own process, the same path).
     r2 = subprocess.run([*MLXPIPE, "-n", "2"], input=b"hi\n", capture_output=True, env=cli_env(), timeout=300)
     assert r2.returncode == 0 and r2.stdout == r.stdout
+
+
+def test_mlx_lm_deferred_by_the_engine_is_whole_on_first_use() -> None:
+    # The engine registers mlx_lm without running its __init__; the first use of a name it defines runs it.
+    code = (
+        "import sys, mlxpipe.engine, mlx_lm\n"
+        "before = 'transformers' in sys.modules\n"
+        "from mlx_lm import stream_generate\n"
+        "print(before, callable(stream_generate), callable(mlx_lm.load), mlx_lm.__version__ != '')"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, env=cli_env(), cwd=REPO, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [b"False", b"True", b"True", b"True"]
+    assert r.stderr == b""  # transformers' advisory lines stay quiet, as under a plain import mlx_lm

@@ -37,8 +37,8 @@ class _Deferred(types.ModuleType):
     """The ``mlx_lm`` package before its ``__init__`` ran: its submodules import as usual."""
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
+        if name.startswith("__") and name not in ("__version__", "__all__"):
+            raise AttributeError(name)  # what the import system probes: the package stays deferred
         self.__class__ = types.ModuleType  # type: ignore[assignment]  # once: now the plain package
         spec = self.__spec__
         assert spec is not None and spec.loader is not None
