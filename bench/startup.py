@@ -8,7 +8,8 @@ commit's tree), round by round in turn, and prints the ratio of each median (thi
 Each round runs, in fresh processes (a warm cache: the model folder, the kept float32 matrices and the
 compiled kernels exist; a first unmeasured run makes them):
 
-- ``whole``: ``echo hi | python -m mlxpipe -n 1`` (stdout to /dev/null), wall time;
+- ``whole``: ``echo hi | python -m mlxpipe -n 1`` (stdout to /dev/null), wall time, and the CPU time it
+  used (user + system, every thread: what a busy machine inflates least);
 - ``empty``: the same with empty input (no model is loaded);
 - ``python``: ``python -c pass``, the interpreter's own start, which mlxpipe cannot shorten;
 - the breakdown, in one process, each step timed after the one before: importing the command line
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -78,16 +80,23 @@ def _env(repo: Path) -> dict[str, str]:
     return env
 
 
-def _wall(repo: Path, argv: list[str], stdin: bytes) -> float:
+def _wall(repo: Path, argv: list[str], stdin: bytes, cpu: list[float] | None = None) -> float:
+    """Wall seconds of one run; its CPU seconds (user + system, all threads) appended to ``cpu``."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     subprocess.run(argv, input=stdin, stdout=subprocess.DEVNULL, env=_env(repo), cwd=repo, check=True)
-    return time.perf_counter() - started
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if cpu is not None:
+        cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return wall
 
 
 def _round(repo: Path, runs: dict[str, list[float]], imported: set[bool]) -> None:
     py = sys.executable
     mlxpipe = [py, "-m", "mlxpipe", "-n", "1"]
-    runs.setdefault("whole: echo hi | mlxpipe -n 1", []).append(_wall(repo, mlxpipe, b"hi\n"))
+    cpu = runs.setdefault("whole, CPU time (user + system)", [])
+    runs.setdefault("whole: echo hi | mlxpipe -n 1", []).append(_wall(repo, mlxpipe, b"hi\n", cpu))
     runs.setdefault("empty input", []).append(_wall(repo, mlxpipe, b""))
     runs.setdefault("python -c pass", []).append(_wall(repo, [py, "-c", "pass"], b""))
     out = subprocess.run([py, "-c", BREAKDOWN], capture_output=True, env=_env(repo), cwd=repo, check=True)
