@@ -95,8 +95,8 @@ def _wall(repo: Path, argv: list[str], stdin: bytes, cpu: list[float] | None = N
 def _round(repo: Path, runs: dict[str, list[float]], imported: set[bool]) -> None:
     py = sys.executable
     mlxpipe = [py, "-m", "mlxpipe", "-n", "1"]
-    cpu = runs.setdefault("whole, CPU time (user + system)", [])
-    runs.setdefault("whole: echo hi | mlxpipe -n 1", []).append(_wall(repo, mlxpipe, b"hi\n", cpu))
+    whole = runs.setdefault("whole: echo hi | mlxpipe -n 1", [])
+    whole.append(_wall(repo, mlxpipe, b"hi\n", runs.setdefault("whole, CPU time (user + system)", [])))
     runs.setdefault("empty input", []).append(_wall(repo, mlxpipe, b""))
     runs.setdefault("python -c pass", []).append(_wall(repo, [py, "-c", "pass"], b""))
     out = subprocess.run([py, "-c", BREAKDOWN], capture_output=True, env=_env(repo), cwd=repo, check=True)
