@@ -25,7 +25,7 @@ from . import loader, sampling
 from .batch import Batch, auto_size
 from .choices import choose
 from .constraints import Constraints
-from .dtype import accelerator, apply_dtype, available_memory, choose_dtype
+from .dtype import STORED_VERSION, accelerator, apply_dtype, available_memory, choose_dtype
 from .generate import generation_stream, stream_generate
 from .prefix import PrefixCache
 from .prompts import Prompts
@@ -99,7 +99,8 @@ class Engine:
         # quantized ones (mlxpipe.cpu.gemv), which the dequantizing would otherwise drop.
         forms = quantized.forms(model) if used == "float32" and gemv.quantized_available() else {}
         # A GGUF conversion's float32 matrices are kept in the cache: reading them beats dequantizing.
-        stored = models.derived_file(folder, f"float32-mlx{getattr(mx, '__version__', '')}.safetensors")
+        tag = f"float32-{STORED_VERSION}-mlx{getattr(mx, '__version__', '')}.safetensors"
+        stored = models.derived_file(folder, tag)
         model = apply_dtype(model, used, stored, wait=False)  # mlx computes them while the tokenizer loads
         try:
             tokenizer = load_tokenizer()
