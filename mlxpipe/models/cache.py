@@ -14,7 +14,6 @@ from pathlib import Path
 from ..errors import ModelError
 from ..paths import cache_dir
 from . import hub
-from .gguf import convert_gguf
 from .source import ModelSource
 
 __all__ = ["CONVERTER_VERSION", "derived_file", "materialize"]
@@ -48,6 +47,13 @@ def derived_file(folder: str, tag: str) -> Path | None:
     if path.parent != cache_dir() / "models":
         return None
     return cache_dir() / "derived" / f"{path.name}.{re.sub(_UNSAFE, '_', tag)}"
+
+
+def convert_gguf(gguf_path: Path, out: Path) -> None:
+    """:func:`.gguf.convert_gguf`, imported only when a conversion is due (it imports numpy)."""
+    from .gguf import convert_gguf as convert
+
+    convert(gguf_path, out)
 
 
 def _cache_key(gguf_path: Path) -> str:
