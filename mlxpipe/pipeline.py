@@ -73,12 +73,18 @@ def _run_batched(
     # finished ones held behind a slower older record.
     feed = _Prefetch(records, size)
     head: list[Record | BadRecord] = []  # records taken before the batch opened
-    first = feed.get(block=True, should_stop=should_stop)
+    try:
+        first = feed.get(block=True, should_stop=should_stop)
+        second = (
+            None if first is None else feed.get(block=True, should_stop=should_stop, within=LONE_WAIT_SECONDS)
+        )
+    except BaseException:
+        feed.close()
+        raise
     if first is None:  # no input, or stopped before any: nothing to answer
         feed.close()
         return
     head.append(first)
-    second = feed.get(block=True, should_stop=should_stop, within=LONE_WAIT_SECONDS)
     if second is not None:
         head.append(second)
     elif feed.done:

@@ -237,6 +237,31 @@ class _WordEngine:
         return self.batches[-1]
 
 
+class _LoneEngine(_WordEngine):
+    """Answers one record at a time as well, noting which."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alone: list[int] = []
+
+    def generate(self, record: Record, should_stop: Any = None) -> Any:
+        self.alone.append(record.index)
+        yield Done(record.index, record.id, "w", "stop", 1, 0.0, 1, 0.0, 0, record.input)
+
+
+def test_a_lone_record_is_answered_without_a_batch() -> None:
+    # --batch auto is 16 on a CPU: an input of one record must not pay for setting a batch up.
+    def records(n: int) -> list[Record]:
+        return [Record(i, "<t>", i, i, None, Settings(), prompt="w w") for i in range(1, n + 1)]
+
+    engine = _LoneEngine()
+    assert [e.kind for e in run(records(1), engine, batch=4)] == ["done"]  # type: ignore[arg-type]
+    assert engine.alone == [1] and engine.batches == []
+    engine = _LoneEngine()
+    ends = [e.index for e in run(records(2), engine, batch=4) if isinstance(e, FINAL_EVENTS)]  # type: ignore[arg-type]
+    assert ends == [1, 2] and engine.alone == [] and len(engine.batches) == 1
+
+
 def test_batched_run_orders_events_and_bounds_read_ahead() -> None:
     pulled = 0
 
