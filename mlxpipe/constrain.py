@@ -17,14 +17,22 @@ from copy import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import llguidance
-import numpy as np
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
-
 from .errors import ConstraintError
 
 if TYPE_CHECKING:
+    import llguidance
+    import numpy as np
     from llguidance._lib import JsonCompileOptions
+
+
+def _lg() -> Any:
+    """llguidance (and numpy, which its bitmasks use), imported on first use: a run without a constraint
+    starts without them."""
+    import llguidance
+    import llguidance.numpy
+
+    return llguidance
+
 
 # Compact JSON (no free whitespace): fewer tokens, and a small model cannot drift into endless
 # newlines. A schema's own "x-guidance" options override these defaults.
@@ -59,20 +67,23 @@ class _Bytes:
 
 @functools.cache
 def _byte_tokenizer() -> llguidance.LLTokenizer:
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
+    tokenizer: llguidance.LLTokenizer = _lg().LLTokenizer(_lg().TokenizerWrapper(_Bytes()))
+    return tokenizer
 
 
 def _checked(kind: str, grammar: str, labels: tuple[str, ...] = ()) -> Constraint:
-    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    problem = _lg().LLMatcher.validate_grammar(grammar)
     if problem:
         first = problem.strip().splitlines()[0].removeprefix("at 1(8): ")
         raise ConstraintError(f"invalid {kind.replace('_', ' ')}: {first}")
     # A grammar no answer satisfies ('[^\s\S]', a schema that is only a $ref loop): its matcher is stopped
     # in error before the first byte. Refused now, not after loading the model, record after record.
     tokenizer = _byte_tokenizer()
-    probe = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    probe = _lg().LLMatcher(tokenizer, grammar, log_level=0)
     if not probe.is_error():  # the first mask is where an empty grammar shows
-        fill_next_token_bitmask(probe, allocate_token_bitmask(1, tokenizer.vocab_size))
+        _lg().numpy.fill_next_token_bitmask(
+            probe, _lg().numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
+        )
     if probe.is_error():
         raise ConstraintError(f"{kind.replace('_', ' ')} admits no answer: {_reason(probe.get_error())}")
     return Constraint(kind, grammar, labels)
@@ -89,7 +100,7 @@ def _reason(error: str) -> str:
 @functools.lru_cache(maxsize=256)  # JSONL records often repeat one schema; compiling it once is enough
 def _json_schema(text: str) -> Constraint:
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+        grammar = _lg().LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
     except ValueError as exc:
         raise ConstraintError(f"invalid json schema: {exc}") from None
     return _checked("json_schema", grammar)
@@ -128,7 +139,7 @@ def choices(labels: Iterable[str]) -> Constraint:
         raise ConstraintError("choices must not repeat a label")
     # JSON string escapes are valid Lark string literals (llguidance's own "choice" format does this).
     lark = "start: " + " | ".join(json.dumps(x) for x in labels)
-    return _checked("choices", llguidance.LLMatcher.grammar_from_lark(lark), labels)
+    return _checked("choices", _lg().LLMatcher.grammar_from_lark(lark), labels)
 
 
 def choices_argument(text: str) -> Constraint:
@@ -138,7 +149,7 @@ def choices_argument(text: str) -> Constraint:
 
 def regex(pattern: str) -> Constraint:
     """A constraint whose answer matches ``pattern`` as a whole (Rust regex syntax)."""
-    return _checked("regex", llguidance.LLMatcher.grammar_from_regex(pattern))
+    return _checked("regex", _lg().LLMatcher.grammar_from_regex(pattern))
 
 
 def lark_file(path: str) -> Constraint:
@@ -148,7 +159,7 @@ def lark_file(path: str) -> Constraint:
             text = f.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConstraintError(f"cannot read grammar file {path}: {exc}") from None
-    return _checked("grammar", llguidance.LLMatcher.grammar_from_lark(text))
+    return _checked("grammar", _lg().LLMatcher.grammar_from_lark(text))
 
 
 RECORD_FIELDS = ("json_schema", "choices")
@@ -184,7 +195,7 @@ class Matcher:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: Sequence[int]) -> None:
         self._matcher = matcher
-        self._bitmask = allocate_token_bitmask(1, vocab_size)
+        self._bitmask = _lg().numpy.allocate_token_bitmask(1, vocab_size)
         self._eos = list(eos)
 
     def consume(self, tokens: Iterable[int]) -> None:
@@ -194,11 +205,13 @@ class Matcher:
 
     def mask(self, width: int) -> np.ndarray[Any, np.dtype[np.bool_]]:
         """Which of ``width`` logits may be sampled next: a bool array (EOS only once the grammar is done)."""
+        import numpy as np
+
         allowed = np.zeros(width, dtype=np.bool_)
         if self._matcher.is_error():  # cannot happen with its own masks; end the answer, the check reports it
             allowed[[t for t in self._eos if t < width]] = True
             return allowed
-        fill_next_token_bitmask(self._matcher, self._bitmask)
+        _lg().numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
         # Bit i of 32-bit word j is token 32*j+i: little-endian bytes unpack in that order.
         bits = np.unpackbits(self._bitmask.astype("<i4", copy=False).view(np.uint8), bitorder="little")
         n = min(width, bits.size)
@@ -222,11 +235,11 @@ class Grammars:
         backend.no_padding()
         backend.no_truncation()
         self.eos = sorted(set(eos))
-        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), eos_token=self.eos)
+        self.tokenizer = _lg().LLTokenizer(backend.to_str(), eos_token=self.eos)
 
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh matcher at the start of ``constraint``'s grammar."""
-        m = llguidance.LLMatcher(self.tokenizer, constraint.grammar, log_level=0)
+        m = _lg().LLMatcher(self.tokenizer, constraint.grammar, log_level=0)
         if m.is_error():
             raise ConstraintError(f"invalid {constraint.kind.replace('_', ' ')}: {m.get_error()}")
         return Matcher(m, self.tokenizer.vocab_size, self.eos)
@@ -242,9 +255,11 @@ class Grammars:
         could follow): merely accepting (``-12`` of a number, which ``-12345`` continues) is not enough.
         Ended otherwise (EOS, a stop string, an interrupt), it is whole when the grammar accepts it.
         """
-        m = llguidance.LLMatcher(self.tokenizer, constraint.grammar, log_level=0)
+        m = _lg().LLMatcher(self.tokenizer, constraint.grammar, log_level=0)
         if not m.is_error():  # the first mask is where an empty grammar shows
-            fill_next_token_bitmask(m, allocate_token_bitmask(1, self.tokenizer.vocab_size))
+            _lg().numpy.fill_next_token_bitmask(
+                m, _lg().numpy.allocate_token_bitmask(1, self.tokenizer.vocab_size)
+            )
         if m.is_error():  # no answer at all: say so, not "ended by a stop string"
             return f"{constraint.kind.replace('_', ' ')} admits no answer: {_reason(m.get_error())}"
         if not m.consume_tokens(self.tokenizer.tokenize_str(text)) or m.is_error():
@@ -281,6 +296,8 @@ def finish(grammars: Grammars, constraint: Constraint, text: str, finish_reason:
 
 def normalized(logprobs: Mapping[str, float]) -> dict[str, float]:
     """Softmax of per-label log probabilities: each label's share of the probability of all labels."""
+    import numpy as np
+
     if not logprobs:
         return {}
     top = max(logprobs.values())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 
@@ -23,6 +24,9 @@ from .interface import EngineLike, ShouldStop, never
 from .records import BadRecord, Record
 
 POLL_SECONDS = 0.1  # how often a wait for input checks should_stop
+# How long a batch waits after its first record to learn whether the input holds no other (a piped short
+# input has ended by then); a lone record takes the sequential path, where it needs no batch set up.
+LONE_WAIT_SECONDS = 0.05
 
 
 def run(
@@ -38,8 +42,8 @@ def run(
     A bad record, or any exception while answering one, becomes an :class:`Error` and the run goes
     on. ``should_stop`` is polled between tokens and between records: once true, the records in
     flight end as "interrupted" and no further record is read. ``batch`` > 1 generates up to that
-    many records at once; events stay in input order unless ``ordered`` is false (then they come as
-    produced; each carries its id).
+    many records at once (an input of one record is answered as with ``batch=1``); events stay in input
+    order unless ``ordered`` is false (then they come as produced; each carries its id).
     """
     if batch > 1:
         yield from _run_batched(records, engine, should_stop, batch, ordered)
@@ -68,6 +72,26 @@ def _run_batched(
     # Read-ahead is bounded: `size` records queued, `size` in flight and, in order mode, at most `size`
     # finished ones held behind a slower older record.
     feed = _Prefetch(records, size)
+    head: list[Record | BadRecord] = []  # records taken before the batch opened
+    try:
+        first = feed.get(block=True, should_stop=should_stop)
+        second = (
+            None if first is None else feed.get(block=True, should_stop=should_stop, within=LONE_WAIT_SECONDS)
+        )
+    except BaseException:
+        feed.close()
+        raise
+    if first is None:  # no input, or stopped before any: nothing to answer
+        feed.close()
+        return
+    head.append(first)
+    if second is not None:
+        head.append(second)
+    elif feed.done:
+        # The input held one record: the sequential path answers it alike, without a batch to set up.
+        feed.close()
+        yield from run(head, engine, should_stop)
+        return
     order = _InputOrder() if ordered else None
     session = engine.batch(size)
 
@@ -82,7 +106,7 @@ def _run_batched(
         while True:
             while len(session) < size and (order is None or len(order) < 2 * size):
                 # Wait for input only when nothing is in flight; otherwise take what has arrived.
-                item = feed.get(block=len(session) == 0, should_stop=should_stop)
+                item = head.pop(0) if head else feed.get(block=len(session) == 0, should_stop=should_stop)
                 if item is None:
                     break
                 if order is not None:
@@ -182,14 +206,20 @@ class _Prefetch:
         if not self._closed:
             self._queue.put(_END)
 
-    def get(self, *, block: bool, should_stop: Callable[[], bool]) -> Record | BadRecord | None:
-        """The next record; ``None`` at the end of input, when none has arrived (``block`` false) or
-        when ``should_stop`` turned true while waiting."""
+    def get(
+        self, *, block: bool, should_stop: Callable[[], bool], within: float | None = None
+    ) -> Record | BadRecord | None:
+        """The next record; ``None`` at the end of input, when none has arrived (``block`` false, or not
+        ``within`` seconds) or when ``should_stop`` turned true while waiting."""
+        deadline = None if within is None else time.monotonic() + within
         while not self.done:
+            wait = (
+                POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
+            )
             try:
-                item = self._queue.get(timeout=POLL_SECONDS) if block else self._queue.get_nowait()
+                item = self._queue.get(timeout=wait) if block else self._queue.get_nowait()
             except queue.Empty:
-                if block and not should_stop():
+                if block and not should_stop() and (deadline is None or time.monotonic() < deadline):
                     continue
                 return None
             if item is _END:

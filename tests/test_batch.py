@@ -237,6 +237,31 @@ class _WordEngine:
         return self.batches[-1]
 
 
+class _LoneEngine(_WordEngine):
+    """Answers one record at a time as well, noting which."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alone: list[int] = []
+
+    def generate(self, record: Record, should_stop: Any = None) -> Any:
+        self.alone.append(record.index)
+        yield Done(record.index, record.id, "w", "stop", 1, 0.0, 1, 0.0, 0, record.input)
+
+
+def test_a_lone_record_is_answered_without_a_batch() -> None:
+    # --batch auto is 16 on a CPU: an input of one record must not pay for setting a batch up.
+    def records(n: int) -> list[Record]:
+        return [Record(i, "<t>", i, i, None, Settings(), prompt="w w") for i in range(1, n + 1)]
+
+    engine = _LoneEngine()
+    assert [e.kind for e in run(records(1), engine, batch=4)] == ["done"]  # type: ignore[arg-type]
+    assert engine.alone == [1] and engine.batches == []
+    engine = _LoneEngine()
+    ends = [e.index for e in run(records(2), engine, batch=4) if isinstance(e, FINAL_EVENTS)]  # type: ignore[arg-type]
+    assert ends == [1, 2] and engine.alone == [] and len(engine.batches) == 1
+
+
 def test_batched_run_orders_events_and_bounds_read_ahead() -> None:
     pulled = 0
 
@@ -317,13 +342,13 @@ def test_prompts_are_read_in_chunks_of_the_backends_prefill_step(engine, monkeyp
 
     assert engine.prefill_step == (256 if mx.default_device() == mx.cpu else 2048)
     seen: dict[str, Any] = {}
-    real = engine_module.mlx_lm.stream_generate
+    real = engine_module.stream_generate
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.update(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module.mlx_lm, "stream_generate", spy)
+    monkeypatch.setattr(engine_module, "stream_generate", spy)
     (rec,) = records_from_objects([PARIS], Settings(max_tokens=1))
     assert [type(e).__name__ for e in engine.generate(rec)][-1] == "Done"
     assert seen["prefill_step_size"] == engine.prefill_step

@@ -132,3 +132,34 @@ def test_the_embedded_gguf_computes_in_float16_where_16_bits_are_chosen() -> Non
     assert engine_module.half_dtype(model) == "float16"
     r = run_cli(["--dtype", "float16", "--out", "jsonl", "--no-stream", "-n", "16"], input=PARIS + "\n")
     assert json.loads(r.stdout)["text"] == _answer("float32")["text"]
+
+
+def test_float32_matrices_kept_in_the_cache_are_what_dequantizing_gives(tmp_path: Any) -> None:
+    # mlx-lm's own dequantize_model is the reference; the kept file is read back on the next load.
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import dequantize_model, load_model
+
+    from mlxpipe import models
+    from mlxpipe.engine import dtype as engine_module
+
+    folder = models.materialize(models.resolve(None))
+
+    def loaded() -> Any:
+        model, _ = load_model(Path(folder))
+        for _, m in model.named_modules():  # as apply_dtype does for float32: the file's scales, unrounded
+            if isinstance(m, engine_module.QUANTIZED):
+                m.update({k: m[k].astype(mx.float32) for k in ("scales", "biases")})
+        return model
+
+    want = dict(tree_flatten(dequantize_model(loaded()).parameters()))
+    kept = tmp_path / "float32.safetensors"
+    for _ in range(2):  # the first load writes the file, the second reads it
+        got = dict(tree_flatten(engine_module.apply_dtype(loaded(), "float32", kept).parameters()))
+        assert kept.is_file()
+        assert got.keys() == want.keys()
+        assert all(got[k].dtype == mx.float32 and mx.array_equal(got[k], want[k]).item() for k in want)
+    matrices = {k.removesuffix(".weight") for k in want if k.endswith("proj.weight")}
+    assert set(mx.load(str(kept))) == matrices | {"model.embed_tokens"}

@@ -140,8 +140,9 @@ def _built() -> str:
 # ---- quantized one-row products ----------------------------------------------------------------------
 
 # Registered matrices, by the float32 matrix's address: that matrix (kept alive while registered, so that its
-# address cannot pass to another array) and the copies the C side reads.
+# address cannot pass to another array) and the quantized arrays the C side reads.
 _attached: dict[int, tuple[Any, ...]] = {}
+_held: dict[int, tuple[Any, ...]] = {}  # what keeps the memory the C side reads valid, per attached matrix
 
 
 def attached() -> int:
@@ -155,9 +156,20 @@ def quantized_available() -> bool:
 
 
 def _address(array: Any) -> int:
-    import numpy as np  # a view, not a copy: the address of the array's own memory
+    return _view(array, None)[0]
 
-    return int(np.asarray(memoryview(array)).ctypes.data)
+
+def _view(array: Any, fmt: str | None) -> tuple[int, Any]:
+    """The address of ``array``'s own memory (C-ordered, of struct format ``fmt`` when given) and an object
+    that keeps it valid; a C-ordered copy where the array is not so (numpy, imported only then)."""
+    view = memoryview(array)
+    if view.c_contiguous and not view.readonly and (fmt is None or view.format == fmt):
+        holder = ctypes.c_char.from_buffer(view)  # no copy, and no numpy to import on the common path
+        return ctypes.addressof(holder), holder
+    import numpy as np
+
+    copy = np.ascontiguousarray(view, dtype=np.float32 if fmt == "f" else None)
+    return int(copy.ctypes.data), copy
 
 
 def attach(weight: Any, q: Any, scales: Any, biases: Any, bits: int, group_size: int) -> bool:
@@ -166,24 +178,22 @@ def attach(weight: Any, q: Any, scales: Any, biases: Any, bits: int, group_size:
     ``q``, ``scales``, ``biases``, ``bits`` and ``group_size``: the quantized form ``weight`` was
     dequantized from (mlx's affine layout: ``weight = scales * q + biases`` per group of ``group_size``).
     Arrays with the buffer protocol (mlx's, numpy's), evaluated; ``weight`` must be the very array the
-    model multiplies by (its address is the key), the others are copied. False, and nothing registered,
-    when the library, the CPU or the layout does not allow it.
+    model multiplies by (its address is the key), the others are read where they lie (held here until
+    :func:`detach`; copied when not C-ordered, or not float32 for the scales and biases). False, and nothing
+    registered, when the library, the CPU or the layout does not allow it.
     """
-    import numpy as np
-
     if not quantized_available():
         return False
     n, k = weight.shape
     key = _address(weight)
-    # Copies that this module owns, for the C side to read; the float32 matrix is only compared by address.
-    q = np.array(memoryview(q), copy=True, order="C")
-    scales, biases = (np.array(memoryview(a), dtype=np.float32, order="C") for a in (scales, biases))
+    # Views this module holds (mlx arrays never change once computed), for the C side to read; copying the
+    # quantized bytes cost a tenth of a start-up (bench/RESULTS.md). The float32 matrix is only an address.
+    (qp, qh), (sp, sh), (bp, bh) = _view(q, None), _view(scales, "f"), _view(biases, "f")
     p = ctypes.c_void_p
-    ok = _shim.mlxpipe_qgemv_register(
-        p(key), n, k, bits, group_size, p(q.ctypes.data), p(scales.ctypes.data), p(biases.ctypes.data)
-    )
+    ok = _shim.mlxpipe_qgemv_register(p(key), n, k, bits, group_size, p(qp), p(sp), p(bp))
     if ok:
         _attached[key] = (weight, q, scales, biases, bits, group_size)
+        _held[key] = (qh, sh, bh)
     return bool(ok)
 
 
@@ -199,6 +209,7 @@ def detach(weights: Any, settle: Callable[[], None] = lambda: None) -> None:
     settle()
     for w in weights:
         _attached.pop(_address(w), None)
+        _held.pop(_address(w), None)
 
 
 def use_threads(threads: int) -> None:

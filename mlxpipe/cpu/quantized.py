@@ -7,6 +7,7 @@ one-row products can still read the quantized bytes (5-8x fewer), which the dequ
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -34,11 +35,13 @@ def forms(model: Any) -> dict[str, tuple[Any, ...]]:
     return found
 
 
-def attach(owner: object, model: Any, quantized: dict[str, tuple[Any, ...]], streams: tuple[Any, ...]) -> int:
+def attach(
+    owner: object, model: Any, quantized: dict[str, tuple[Any, ...]], streams: Callable[[], tuple[Any, ...]]
+) -> int:
     """Attach each dequantized float32 matrix of ``model`` to its quantized form; how many were.
 
-    They stay registered for as long as ``owner`` lives; on release mlx's ``streams`` are waited for first
-    (mlx computes a step ahead, maybe on these very matrices).
+    They stay registered for as long as ``owner`` lives; on release the mlx streams ``streams()`` returns are
+    waited for first (mlx computes a step ahead, maybe on these very matrices).
     """
     modules = dict(model.named_modules())
     attached = []
@@ -52,8 +55,8 @@ def attach(owner: object, model: Any, quantized: dict[str, tuple[Any, ...]], str
     return len(attached)
 
 
-def _settle(streams: tuple[Any, ...]) -> None:
-    """Wait for the work mlx has queued on the default stream and ``streams``."""
+def _settle(streams: Callable[[], tuple[Any, ...]]) -> None:
+    """Wait for the work mlx has queued on the default stream and ``streams()``."""
     mx.synchronize()
-    for stream in streams:
+    for stream in streams():
         mx.synchronize(stream)

@@ -12,6 +12,7 @@ from .. import cpu  # first: on Linux CPUs the BLAS must be loaded before mlx is
 
 cpu.mlx_core()  # a missing backend is one line (NoBackend), not a traceback from the first `import mlx.core`
 
+from . import loader  # noqa: F401  # before any mlx_lm import: mlx-lm's package without its __init__ (transformers)
 from .batch import Batch
 from .dtype import DTYPES, apply_dtype, choose_dtype
 from .engine import Engine

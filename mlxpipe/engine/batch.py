@@ -6,13 +6,12 @@ stop strings and counts), so its events have the same form as :meth:`.engine.Eng
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch
-from mlx_lm.sample_utils import greedy_sampler
 
 from ..errors import RecordError
 from ..events import Chunk, Done, Error, decode_tps
@@ -58,31 +57,39 @@ GREEDY_ARGMAX = True
 _NO_LOGPROBS = mx.zeros((0,))  # what a step that skipped the log-softmax hands back as a row's logprobs
 
 
-class _Greedy(GenerationBatch):
-    """mlx-lm's decoding batch, whose steps skip the log-softmax over the vocabulary while every row is
-    greedy with no logits processor: the argmax of the logits is the argmax of the log-probabilities, and no
-    event carries log-probabilities. Any other batch steps as mlx-lm's does."""
+@functools.cache
+def _greedy_batch() -> Any:
+    """The class below, made on first use: ``mlx_lm.generate`` imports transformers (only when batching)."""
+    from mlx_lm.generate import GenerationBatch
+    from mlx_lm.sample_utils import greedy_sampler
 
-    def _step(self) -> tuple[list[int], list[mx.array]]:
-        b: Any = self  # mlx-lm's attributes, typed loosely there
-        if not GREEDY_ARGMAX or not b.samplers or any(b.logits_processors):
-            return super()._step()
-        if any(s is not greedy_sampler for s in b.samplers):
-            return super()._step()
-        # mlx-lm's GenerationBatch._step without the logsumexp (20-90 ms a step at 16-64 rows on a CPU)
-        b._current_tokens = b._next_tokens
-        b._current_logprobs = b._next_logprobs
-        inputs = b._current_tokens
-        logits = b.model(inputs[:, None], cache=b.prompt_cache)[:, -1, :]
-        b._next_tokens = mx.argmax(logits, axis=-1)
-        b._next_logprobs = [_NO_LOGPROBS] * len(b.uids)
-        # mlx-lm's order: start computing the next step, then wait for this one's tokens
-        mx.async_eval(b._next_tokens)  # type: ignore[no-untyped-call]
-        mx.eval(inputs, b._current_logprobs)
-        tokens: list[int] = inputs.tolist()
-        for seen, token in zip(b.tokens, tokens, strict=True):
-            seen.append(token)
-        return tokens, b._current_logprobs
+    class _Greedy(GenerationBatch):
+        """mlx-lm's decoding batch, whose steps skip the log-softmax over the vocabulary while every row
+        is greedy with no logits processor: the argmax of the logits is the argmax of the log-probabilities,
+        and no event carries log-probabilities. Any other batch steps as mlx-lm's does."""
+
+        def _step(self) -> tuple[list[int], list[mx.array]]:
+            b: Any = self  # mlx-lm's attributes, typed loosely there
+            if not GREEDY_ARGMAX or not b.samplers or any(b.logits_processors):
+                return super()._step()
+            if any(s is not greedy_sampler for s in b.samplers):
+                return super()._step()
+            # mlx-lm's GenerationBatch._step without the logsumexp (20-90 ms a step at 16-64 rows on a CPU)
+            b._current_tokens = b._next_tokens
+            b._current_logprobs = b._next_logprobs
+            inputs = b._current_tokens
+            logits = b.model(inputs[:, None], cache=b.prompt_cache)[:, -1, :]
+            b._next_tokens = mx.argmax(logits, axis=-1)
+            b._next_logprobs = [_NO_LOGPROBS] * len(b.uids)
+            # mlx-lm's order: start computing the next step, then wait for this one's tokens
+            mx.async_eval(b._next_tokens)  # type: ignore[no-untyped-call]
+            mx.eval(inputs, b._current_logprobs)
+            tokens: list[int] = inputs.tolist()
+            for seen, token in zip(b.tokens, tokens, strict=True):
+                seen.append(token)
+            return tokens, b._current_logprobs
+
+    return _Greedy
 
 
 @dataclass
@@ -111,6 +118,8 @@ class Batch:
     def __init__(self, engine: Engine, size: int) -> None:
         self.engine = engine
         self.size = size
+        from mlx_lm.generate import BatchGenerator  # imports transformers: only when batching
+
         self._eos = set(engine.tokenizer.eos_token_ids)
         self._gen = BatchGenerator(
             engine.model,
@@ -120,7 +129,7 @@ class Batch:
             prefill_step_size=engine.prefill_step,
         )
         # Every decoding row joins this one batch (mlx-lm extends it), so its steps are _Greedy's.
-        self._gen._generation_batch = _Greedy.empty(engine.model, self._gen.sampler)
+        self._gen._generation_batch = _greedy_batch().empty(engine.model, self._gen.sampler)
         self._slots: dict[int, _Slot] = {}
         self._ready: list[Chunk | Done | Error] = []  # events of records answered without decoding (choices)
         self._ready_records = 0

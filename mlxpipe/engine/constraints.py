@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-
 from ..errors import ConstraintError, RecordError
 from ..records import Record
 
@@ -19,7 +17,7 @@ __all__ = ["Constraints"]
 class Constraints:
     """One tokenizer's constraint machinery, built on first use (llguidance is imported only then)."""
 
-    def __init__(self, tokenizer: TokenizerWrapper) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._grammars: Grammars | None = None
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx.utils import tree_flatten
-from mlx_lm.utils import dequantize_model
+from mlx.nn.layers.embedding import Embedding
+from mlx.nn.layers.linear import Linear
+from mlx.nn.layers.quantized import QuantizedEmbedding
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..cpu import blas
 from ..cpu.quantized import QUANTIZED
@@ -122,12 +126,15 @@ def choose_dtype(model: Any, requested: str, batch: int = 1) -> tuple[str, str]:
     return "float32", f"auto on cpu: float32 weights with {with_blas} (faster than quantized kernels)"
 
 
-def apply_dtype(model: Any, dtype: str) -> Any:
-    """Turn ``model`` into ``dtype`` in place: dequantize with mlx-lm's helper, then cast floating weights.
+def apply_dtype(model: Any, dtype: str, stored: Path | None = None, *, wait: bool = True) -> Any:
+    """Turn ``model`` into ``dtype`` in place: dequantize (as mlx-lm's ``dequantize_model``), then cast
+    floating weights.
 
     ``quantized`` keeps the quantized layers; on a GPU a model with float32 parameters (a GGUF's norms, say)
     has its floating parameters cast to its own 16-bit type (:func:`half_dtype`) too, so that activations
     are not computed in float32.
+    ``stored``: a file keeping the float32 dequantized matrices between runs (read when it exists, else
+    written), for ``float32`` only. ``wait=False`` returns before mlx has computed the new weights.
     """
     if dtype == "quantized":
         leaves: Any = tree_flatten(model.parameters())
@@ -142,7 +149,93 @@ def apply_dtype(model: Any, dtype: str) -> Any:
             for _, m in model.named_modules():
                 if isinstance(m, QUANTIZED):
                     m.update({k: m[k].astype(mx.float32) for k in ("scales", "biases") if k in m})
-        model = dequantize_model(model)
+        model = dequantize(model, stored if dtype == "float32" else None)
     model.set_dtype(_FLOATS[dtype])
-    mx.eval(model.parameters())
+    if wait:
+        mx.eval(model.parameters())
+    else:
+        mx.async_eval(model.parameters())  # type: ignore[no-untyped-call]  # (mlx ships no types for it)
     return model
+
+
+# Float32 matrices kept in the cache only up to this size: reading them back costs a tenth of computing them
+# (bench/RESULTS.md, start-up), but each is ~8x the quantized file on disk.
+STORED_MAX_BYTES = 2 << 30
+STORED_VERSION = "v1"  # part of the kept file's name: bump it when dequantize computes other numbers
+
+
+def dequantize(model: Any, stored: Path | None = None) -> Any:
+    """Replace ``model``'s quantized linear and embedding layers by float ones, in place (what mlx-lm's
+    ``dequantize_model`` does, without importing mlx-lm's loader); other quantized kinds go to mlx-lm's.
+
+    With ``stored``, the dequantized matrices are read from that file when it holds them all (the same
+    numbers: ``mx.dequantize`` of the same inputs), else computed and written there for the next run.
+    """
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QUANTIZED)]
+    if any("scales" in m and not isinstance(m, QUANTIZED) for _, m in model.named_modules()):
+        from mlx_lm.utils import dequantize_model  # MoE's switch layers, among others: mlx-lm knows them
+
+        return dequantize_model(model)
+    if not layers:
+        return model
+    weights = _read(stored, {n: _shape(m) for n, m in layers})
+    computed = weights is None
+    if weights is None:
+        weights = {
+            n: mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, m.mode)
+            for n, m in layers
+        }
+    new = []
+    for name, m in layers:
+        weight = weights[name]
+        if isinstance(m, QuantizedEmbedding):
+            layer: Module = Embedding(*weight.shape)
+        else:
+            layer = Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
+            if "bias" in m:
+                layer.bias = m.bias
+        layer.weight = weight
+        new.append((name, layer))
+    model.update_modules(tree_unflatten(new))
+    if computed and stored is not None:
+        mx.eval(list(weights.values()))
+        _write(stored, weights)
+    return model
+
+
+def _shape(m: Any) -> tuple[int, int]:
+    rows, packed = m.weight.shape
+    return rows, packed * 32 // m.bits
+
+
+def _read(path: Path | None, shapes: dict[str, tuple[int, int]]) -> dict[str, Any] | None:
+    """The float32 matrices kept at ``path`` when it holds exactly ``shapes``; None otherwise."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        weights: Any = mx.load(str(path))
+    except (RuntimeError, ValueError, OSError):  # damaged: computed again and rewritten
+        return None
+    if {n: tuple(w.shape) for n, w in weights.items()} != shapes or any(
+        w.dtype != mx.float32 for w in weights.values()
+    ):
+        return None
+    return dict(weights)
+
+
+def _write(path: Path, weights: dict[str, Any]) -> None:
+    """Keep ``weights`` at ``path`` (atomically); a cache that cannot be written is only slower next time."""
+    if sum(int(w.nbytes) for w in weights.values()) > STORED_MAX_BYTES:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
+        os.close(fd)
+        try:
+            mx.save_safetensors(tmp, weights)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except (OSError, RuntimeError, ValueError):
+        pass

@@ -14,21 +14,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
-import mlx_lm
-from mlx_lm.generate import generation_stream
 from mlx_lm.models import llama
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .. import models
 from ..cpu import blas, gemv, layers, quantized
 from ..errors import ModelError, first_line
 from ..events import Chunk, Done, decode_tps
 from ..records import Record
-from . import sampling
+from . import loader, sampling
 from .batch import Batch, auto_size
 from .choices import choose
 from .constraints import Constraints
-from .dtype import accelerator, apply_dtype, available_memory, choose_dtype
+from .dtype import STORED_VERSION, accelerator, apply_dtype, available_memory, choose_dtype
+from .generate import generation_stream, stream_generate
 from .prefix import PrefixCache
 from .prompts import Prompts
 
@@ -52,13 +50,14 @@ class Engine:
     def __init__(
         self,
         model: Any,
-        tokenizer: TokenizerWrapper,
+        tokenizer: Any,
         source: models.ModelSource,
         folder: str,
         dtype: str = "quantized",
         dtype_reason: str = "as loaded",
     ) -> None:
-        # model is an mlx.nn.Module, which mlx's package does not export to type checkers.
+        # model is an mlx.nn.Module, which mlx's package does not export to type checkers; tokenizer is
+        # mlx-lm's TokenizerWrapper or the engine's own (.tokenizer.FastTokenizer), which answers alike.
         self.model = model
         self.tokenizer = tokenizer
         self.source = source
@@ -68,13 +67,13 @@ class Engine:
         self.cpu_fast_paths: list[str] = []  # layers swapped by mlxpipe.cpu.layers (set by load)
         self.quantized_rows = 0  # weight matrices whose one-row products read quantized bytes (set by load)
         self.batch_choice: dict[str, Any] | None = None  # what --batch auto chose and why (set by auto_batch)
-        self.context_length = int(models.describe(source, folder).get("context_length") or 0)
+        self.context_length = models.context_length(folder)
         self.reuse_prefix = True
         self.prefill_step = _CPU_PREFILL_STEP if accelerator() is None else _GPU_PREFILL_STEP
         self.prompts = Prompts(tokenizer, self.context_length)
         self.prefixes = PrefixCache(model, self.prefill_step)
         self.constraints = Constraints(tokenizer)
-        self.vocab_size = len(tokenizer.get_vocab())
+        self.vocab_size = len(tokenizer)
         # We check prompt length against the context ourselves, on the record's error line; the
         # tokenizer's own warning about it would be a stray line on stderr.
         tokenizer.model_max_length = sys.maxsize
@@ -92,26 +91,24 @@ class Engine:
         source = models.resolve(spec)
         folder = models.materialize(source)
         try:
-            # Both explicit: transformers would otherwise ask on the terminal, reading our stdin.
-            loaded = mlx_lm.load(
-                folder,
-                tokenizer_config={"trust_remote_code": trust_remote_code},
-                trust_remote_code=trust_remote_code,
-            )  # typed as a 2- or 3-tuple (return_config); we ask for two
-            model, tokenizer = loaded[0], loaded[1]
+            model, load_tokenizer = loader.load(folder, trust_remote_code)
         except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds; the user needs one line
-            if not trust_remote_code and "trust_remote_code" in str(exc):
-                raise ModelError(
-                    f"model {source.spec!r} needs to run its own Python code to load; "
-                    "pass --trust-remote-code if you trust it"
-                ) from None
-            raise ModelError(f"cannot load model {source.spec!r}: {first_line(exc)}") from None
+            raise _load_error(source.spec, exc, trust_remote_code) from None
         used, reason = choose_dtype(model, dtype, batch)
         # Float32 on a CPU computes from the dequantized weights; one-row products can still read the
         # quantized ones (mlxpipe.cpu.gemv), which the dequantizing would otherwise drop.
         forms = quantized.forms(model) if used == "float32" and gemv.quantized_available() else {}
-        engine = cls(apply_dtype(model, used), tokenizer, source, folder, used, reason)
-        engine.quantized_rows = quantized.attach(engine, engine.model, forms, (generation_stream,))
+        # A GGUF conversion's float32 matrices are kept in the cache: reading them beats dequantizing.
+        tag = f"float32-{STORED_VERSION}-mlx{getattr(mx, '__version__', '')}.safetensors"
+        stored = models.derived_file(folder, tag)
+        model = apply_dtype(model, used, stored, wait=False)  # mlx computes them while the tokenizer loads
+        try:
+            tokenizer = load_tokenizer()
+        except Exception as exc:
+            raise _load_error(source.spec, exc, trust_remote_code) from None
+        mx.eval(model.parameters())
+        engine = cls(model, tokenizer, source, folder, used, reason)
+        engine.quantized_rows = quantized.attach(engine, engine.model, forms, _streams)
         # mx.fast's norms and RoPE have no CPU kernels, mlx's CPU exp is slow: on a CPU, compiled stand-ins.
         if accelerator() is None and layers.enabled():
             engine.cpu_fast_paths = layers.apply(engine.model)
@@ -201,7 +198,7 @@ class Engine:
             processors = [sampling.after_prefix(tokens[:cached], processors)]
         stops = sampling.StopStrings(s.stop)
         text: list[str] = []
-        responses = mlx_lm.stream_generate(
+        responses = stream_generate(
             self.model,
             self.tokenizer,
             tokens[cached:],
@@ -250,3 +247,19 @@ class Engine:
         """A :class:`.batch.Batch` of up to ``size`` records generating together."""
         blas.use_threads(size)
         return Batch(self, size)
+
+
+def _streams() -> tuple[Any, ...]:
+    """The streams generation runs on: ours, and mlx-lm's when a batch has used it."""
+    lm = sys.modules.get("mlx_lm.generate")
+    return (generation_stream,) if lm is None else (generation_stream, lm.generation_stream)
+
+
+def _load_error(spec: str, exc: Exception, trust_remote_code: bool) -> ModelError:
+    """One line for what mlx-lm, transformers or huggingface_hub raised while loading ``spec``."""
+    if not trust_remote_code and "trust_remote_code" in str(exc):
+        return ModelError(
+            f"model {spec!r} needs to run its own Python code to load; "
+            "pass --trust-remote-code if you trust it"
+        )
+    return ModelError(f"cannot load model {spec!r}: {first_line(exc)}")

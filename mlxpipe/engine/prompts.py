@@ -10,8 +10,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-
 from ..errors import RecordError
 from ..records import Record
 
@@ -24,7 +22,7 @@ _PROBED_ENTRIES = 64  # distinct record shapes (system prompt, template, earlier
 class Prompts:
     """Encodes records for one tokenizer and context length."""
 
-    def __init__(self, tokenizer: TokenizerWrapper, context_length: int) -> None:
+    def __init__(self, tokenizer: Any, context_length: int) -> None:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self._probed: OrderedDict[Any, tuple[int, ...]] = OrderedDict()

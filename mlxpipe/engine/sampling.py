@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.generate import TextStateMachine
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from ..records import Settings
@@ -112,12 +111,18 @@ class StopStrings:
     """
 
     def __init__(self, stops: tuple[str, ...]) -> None:
-        self._state = TextStateMachine({"normal": [(w, None) for w in stops]}).make_state() if stops else None
+        self._state: Any = None
+        if stops:
+            from mlx_lm.generate import TextStateMachine  # imports transformers: only with stop strings
+
+            self._state = TextStateMachine({"normal": [(w, None) for w in stops]}).make_state()
 
     def feed(self, text: str, finish: str | None) -> tuple[str, str | None]:
         """Take the next segment; return the text safe to emit and the finish reason, if any."""
         if self._state is None:
             return text, finish
+        from mlx_lm.generate import TextStateMachine
+
         self._state, segments = TextStateMachine.split(self._state, text)
         safe = "".join(t for _, t in segments)
         if self._state[0] is None:  # a stop string matched: it and everything after it are dropped
@@ -130,5 +135,7 @@ class StopStrings:
         """Release the held-back text (the stream ended without completing a stop string)."""
         if self._state is None:
             return ""
+        from mlx_lm.generate import TextStateMachine
+
         self._state, held, _ = TextStateMachine.flush(self._state)
         return str(held)

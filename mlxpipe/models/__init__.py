@@ -8,18 +8,31 @@ MLX model folder or a Hugging Face hub id); :func:`materialize` (:mod:`.cache`) 
 Nothing here imports ``mlx`` or ``mlx_lm`` at import time, so ``--help`` stays instant.
 """
 
+from typing import Any
+
 from ..errors import ModelError
-from .cache import CONVERTER_VERSION, materialize
-from .describe import describe
-from .gguf import convert_gguf
+from .cache import CONVERTER_VERSION, derived_file, materialize
+from .describe import context_length, describe
 from .source import EMBEDDED_NAME, ModelSource, resolve
+
+
+def __getattr__(name: str) -> Any:
+    # convert_gguf imports numpy (a tenth of a second): only when asked for, not on every model load.
+    if name == "convert_gguf":
+        from .gguf import convert_gguf
+
+        return convert_gguf
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CONVERTER_VERSION",
     "EMBEDDED_NAME",
     "ModelError",
     "ModelSource",
+    "context_length",
     "convert_gguf",
+    "derived_file",
     "describe",
     "materialize",
     "resolve",

@@ -14,14 +14,14 @@ from pathlib import Path
 from ..errors import ModelError
 from ..paths import cache_dir
 from . import hub
-from .gguf import convert_gguf
 from .source import ModelSource
 
-__all__ = ["CONVERTER_VERSION", "materialize"]
+__all__ = ["CONVERTER_VERSION", "derived_file", "materialize"]
 
 # Part of the cache key: bump it whenever the converter's output changes, so old folders are not reused.
 CONVERTER_VERSION = "2"
 _STALE_TEMP_SECONDS = 3600
+_UNSAFE = r"[^\w.-]+"  # what a file name made of a model's name or a tag does not keep
 
 
 def materialize(source: ModelSource) -> str:
@@ -38,6 +38,22 @@ def materialize(source: ModelSource) -> str:
     if source.kind == "ollama":
         return str(_cached_conversion(source.path, source.spec.partition(":")[2]))
     raise ModelError(f"unknown model source kind: {source.kind}")
+
+
+def derived_file(folder: str, tag: str) -> Path | None:
+    """Where a file computed from the cached conversion ``folder`` is kept (``tag`` names what and with
+    which versions); None for folders that are not mlxpipe's own conversions (a hub snapshot, a user's)."""
+    path = Path(folder)
+    if path.parent != cache_dir() / "models":
+        return None
+    return cache_dir() / "derived" / f"{path.name}.{re.sub(_UNSAFE, '_', tag)}"
+
+
+def convert_gguf(gguf_path: Path, out: Path) -> None:
+    """:func:`.gguf.convert_gguf`, imported only when a conversion is due (it imports numpy)."""
+    from .gguf import convert_gguf as convert
+
+    convert(gguf_path, out)
 
 
 def _cache_key(gguf_path: Path) -> str:

@@ -10,7 +10,28 @@ from typing import Any
 from ..errors import ModelError
 from .source import ModelSource
 
-__all__ = ["describe"]
+__all__ = ["context_length", "describe"]
+
+
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def _first(config: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    """The first of ``keys`` set in ``config`` or its ``text_config``."""
+    text_config: dict[str, Any] = config["text_config"] if isinstance(config.get("text_config"), dict) else {}
+    for key in keys:
+        for cfg in (config, text_config):
+            if cfg.get(key) is not None:
+                return cfg[key]
+    return None
+
+
+def context_length(folder: str) -> int:
+    """The model's context in tokens as :func:`describe` gives it (0 when unknown), from config.json alone."""
+    config = _read_json(Path(folder) / "config.json")
+    if config is None:
+        raise ModelError(f"cannot read model config: {Path(folder) / 'config.json'}")
+    return int(_first(config, _CONTEXT_KEYS) or 0)
 
 
 def describe(source: ModelSource, folder: str) -> dict[str, Any]:
@@ -24,14 +45,9 @@ def describe(source: ModelSource, folder: str) -> dict[str, Any]:
     if config is None:
         raise ModelError(f"cannot read model config: {root / 'config.json'}")
     tok_config = _read_json(root / "tokenizer_config.json") or {}
-    text_config: dict[str, Any] = config["text_config"] if isinstance(config.get("text_config"), dict) else {}
 
     def first(*keys: str) -> Any:
-        for key in keys:
-            for cfg in (config, text_config):
-                if cfg.get(key) is not None:
-                    return cfg[key]
-        return None
+        return _first(config, keys)
 
     quant = config.get("quantization") or config.get("quantization_config")
     quantization = None
@@ -54,7 +70,7 @@ def describe(source: ModelSource, folder: str) -> dict[str, Any]:
         "architecture": config.get("model_type"),
         "parameters": _count_parameters(root, config),
         "quantization": quantization,
-        "context_length": first("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"),
+        "context_length": first(*_CONTEXT_KEYS),
         "eos_token_ids": _eos_ids(root, config, tok_config),
         "has_chat_template": has_template,
     }

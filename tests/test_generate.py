@@ -1,0 +1,99 @@
+"""The engine's own generate loop (mlxpipe/engine/generate.py) makes what mlx-lm's ``stream_generate`` makes:
+the same tokens, text segments and finish reasons, greedy and sampled, with processors and a reused prefix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+
+def _both(engine: Any, tokens: list[int], **kwargs: Any) -> tuple[list[Any], list[Any]]:
+    """Our responses and mlx-lm's for the same arguments, each run from the same global seed."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from mlxpipe.engine.generate import stream_generate
+
+    runs = []
+    for generate, tokenizer in (
+        (stream_generate, engine.tokenizer),
+        (mlx_lm.stream_generate, _theirs(engine)),
+    ):
+        mx.random.seed(7)
+        responses = generate(engine.model, tokenizer, tokens, prefill_step_size=8, **kwargs)
+        runs.append([(r.text, r.token, r.generation_tokens, r.finish_reason) for r in responses])
+    return runs[0], runs[1]
+
+
+def test_greedy_tokens_and_text_match_mlx_lm(engine: Any) -> None:
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    tokens = engine.prompts.tokens(_record("What is the capital of France? Answer in one sentence."))
+    for max_tokens in (1, 5, 40):
+        kwargs = {"max_tokens": max_tokens, "sampler": make_sampler(0.0), "logits_processors": []}
+        ours, theirs = _both(engine, tokens, **kwargs)
+        assert ours == theirs and ours
+    # a repetition penalty sees the prompt (read in chunks of 8) and every token since
+    processors = make_logits_processors(repetition_penalty=1.3)
+    ours, theirs = _both(
+        engine, tokens, max_tokens=24, sampler=make_sampler(0.0), logits_processors=processors
+    )
+    assert ours == theirs
+    assert ours[-1][3] in ("stop", "length")
+
+
+def test_sampled_tokens_match_mlx_lm_from_the_same_seed(engine: Any) -> None:
+    from mlx_lm.sample_utils import make_sampler
+
+    tokens = engine.prompts.tokens(_record("Write a word."))
+    sampler = make_sampler(0.9, top_p=0.95)  # draws from mlx's global key, seeded alike for both
+    ours, theirs = _both(engine, tokens, max_tokens=16, sampler=sampler, logits_processors=[])
+    assert ours == theirs
+
+
+def test_a_reused_prefix_cache_gives_mlx_lms_tokens(engine: Any) -> None:
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlxpipe.engine.generate import stream_generate
+    from mlxpipe.engine.prefix import prefill
+
+    tokens = engine.prompts.tokens(_record("Name three colours."))
+    runs = []
+    for generate, tokenizer in (
+        (stream_generate, engine.tokenizer),
+        (mlx_lm.stream_generate, _theirs(engine)),
+    ):
+        cache = make_prompt_cache(engine.model)
+        prefill(engine.model, cache, tokens[:20], step=256)
+        responses = generate(
+            engine.model,
+            tokenizer,
+            tokens[20:],
+            max_tokens=12,
+            sampler=make_sampler(0.0),
+            logits_processors=[],
+            prompt_cache=cache,
+        )
+        runs.append([(r.text, r.token, r.finish_reason) for r in responses])
+    assert runs[0] == runs[1]
+
+
+def _record(text: str) -> Any:
+    from mlxpipe.reader import records_from_objects
+
+    (record,) = records_from_objects([text])
+    return record
+
+
+def _theirs(engine: Any) -> Any:
+    """mlx-lm's own tokenizer wrapper for the engine's model folder."""
+    from pathlib import Path
+
+    from mlx_lm.tokenizer_utils import load
+
+    return load(Path(engine.folder), eos_token_ids=sorted(engine.tokenizer.eos_token_ids))
