@@ -303,7 +303,8 @@ def run(
     own: Generator[Event, None, None] | None = None
     try:
         job.start()
-        own = run_pipeline(job.mine(), engine, job.poll, batch=batch, ordered=False)
+        # A rank's share arrives record by record: one record so far is no lone input.
+        own = run_pipeline(job.mine(), engine, job.poll, batch=batch, ordered=False, lone_alone=False)
         for event in own:
             job.own(event)
             yield from job.release()

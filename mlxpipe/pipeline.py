@@ -36,17 +36,19 @@ def run(
     *,
     batch: int = 1,
     ordered: bool = True,
+    lone_alone: bool = True,
 ) -> Generator[Event, None, None]:
     """Answer ``records``, yielding chunk events and exactly one done or error event per record.
 
     A bad record, or any exception while answering one, becomes an :class:`Error` and the run goes
     on. ``should_stop`` is polled between tokens and between records: once true, the records in
     flight end as "interrupted" and no further record is read. ``batch`` > 1 generates up to that
-    many records at once (an input of one record is answered as with ``batch=1``); events stay in input
-    order unless ``ordered`` is false (then they come as produced; each carries its id).
+    many records at once (an input of one record is answered as with ``batch=1``, unless ``lone_alone`` is
+    false); events stay in input order unless ``ordered`` is false (then they come as produced; each
+    carries its id).
     """
     if batch > 1:
-        yield from _run_batched(records, engine, should_stop, batch, ordered)
+        yield from _run_batched(records, engine, should_stop, batch, ordered, lone_alone)
         return
     for record in records:
         if should_stop():
@@ -68,6 +70,7 @@ def _run_batched(
     should_stop: ShouldStop,
     size: int,
     ordered: bool,
+    lone_alone: bool,
 ) -> Generator[Event, None, None]:
     # Read-ahead is bounded: `size` records queued, `size` in flight and, in order mode, at most `size`
     # finished ones held behind a slower older record.
@@ -76,7 +79,9 @@ def _run_batched(
     try:
         first = feed.get(block=True, should_stop=should_stop)
         second = (
-            None if first is None else feed.get(block=True, should_stop=should_stop, within=LONE_WAIT_SECONDS)
+            None
+            if first is None or not lone_alone
+            else feed.get(block=True, should_stop=should_stop, within=LONE_WAIT_SECONDS)
         )
     except BaseException:
         feed.close()
@@ -87,7 +92,7 @@ def _run_batched(
     head.append(first)
     if second is not None:
         head.append(second)
-    elif feed.done:
+    elif lone_alone and feed.done:
         # The input held one record: the sequential path answers it alike, without a batch to set up.
         feed.close()
         yield from run(head, engine, should_stop)
