@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,13 +165,19 @@ def _job(
             raised[r] = exc
             board.barrier.abort()  # as a rank that exits closes its sockets
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    assert _each_rank(rank_main, range(size))
+    return out, [ranks, engines], raised
+
+
+def _each_rank(rank_main: Callable[[int], None], ranks: Iterable[int]) -> bool:
+    """Run ``rank_main(r)`` for every rank in ``ranks`` on threads of its own, started in that order; whether
+    every one ended within 30 s."""
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in ranks]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads)
-    return out, [ranks, engines], raised
+    return not any(t.is_alive() for t in threads)
 
 
 def _jsonl(n: int, bad: int = 0, prompts: list[str] | None = None) -> bytes:
@@ -261,6 +267,19 @@ def test_a_rank_stopped_at_the_start_stops_every_rank() -> None:
     assert {rk.stop_signal for rk in ranks} == {2}
 
 
+def _assert_a_stopped_prefix(out: Any, ranks: Any, engines: Any, raised: Any, records: int) -> None:
+    """Two ranks stopped by a signal: both wrote records 1..K of ``records``, each once, and asked for none
+    twice; every rank carries the signal."""
+    assert raised == [None, None]
+    assert out[0] == out[1]
+    finals = [e for e in out[0] if isinstance(e, FINAL_EVENTS)]
+    assert [e.index for e in finals] == list(range(1, len(finals) + 1))  # records 1..K, each once
+    assert 0 < len(finals) < records
+    asked = sorted(rec.index for engine in engines for rec in engine.history)
+    assert len(asked) < records and len(set(asked)) == len(asked)
+    assert {rk.stop_signal for rk in ranks} == {2}
+
+
 @pytest.mark.usefixtures("clock")
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("stopper", [0, 1])
@@ -275,14 +294,7 @@ def test_a_rank_stopped_by_a_signal_stops_every_rank_and_the_output_is_a_prefix(
         batch=batch,
         engine=TokenEngine,
     )
-    assert raised == [None, None]
-    assert out[0] == out[1]
-    finals = [e for e in out[0] if isinstance(e, FINAL_EVENTS)]
-    assert [e.index for e in finals] == list(range(1, len(finals) + 1))  # records 1..K, each once
-    assert 0 < len(finals) < 20
-    asked = sorted(rec.index for engine in engines for rec in engine.history)
-    assert len(asked) < 20 and len(set(asked)) == len(asked)
-    assert {rk.stop_signal for rk in ranks} == {2}
+    _assert_a_stopped_prefix(out, ranks, engines, raised, 20)
 
 
 @pytest.mark.usefixtures("quick")
@@ -310,14 +322,7 @@ def test_over_an_exchange_thread_a_stop_on_one_rank_stops_every_rank_and_the_out
         engine=Seen,
         threaded=True,
     )
-    assert raised == [None, None]
-    assert out[0] == out[1]
-    finals = [e for e in out[0] if isinstance(e, FINAL_EVENTS)]
-    assert [e.index for e in finals] == list(range(1, len(finals) + 1))
-    assert 0 < len(finals) < 40
-    asked = sorted(rec.index for engine in engines for rec in engine.history)
-    assert len(asked) < 40 and len(set(asked)) == len(asked)
-    assert {rk.stop_signal for rk in ranks} == {2}
+    _assert_a_stopped_prefix(out, ranks, engines, raised, 40)
 
 
 @pytest.mark.usefixtures("clock")
@@ -345,11 +350,7 @@ def test_a_signal_that_cuts_a_rank_s_input_short_is_a_stop_not_a_disagreement() 
         except BaseException as exc:
             errors[r] = exc
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
+    _each_rank(rank_main, range(2))
     assert errors == [None, None]
     assert {rk.stop_signal for rk in ranks} == {15}
     finals = [e.index for e in out[0] if isinstance(e, FINAL_EVENTS)]
@@ -367,11 +368,7 @@ def test_records_skipped_on_every_rank_leave_no_rank_idle() -> None:
         left = [rec for rec in _records(_jsonl(8), jsonl=True) if rec.index % 2 == 0]
         out[r] = list(distributed.run(left, engines[r], ranks[r], lambda: False, lambda: None))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
+    _each_rank(rank_main, range(2))
     assert out[0] == out[1] and [e.index for e in out[0] if isinstance(e, Done)] == [2, 4, 6, 8]
     assert all(len(e.history) == 2 for e in engines)
 
@@ -393,11 +390,7 @@ def test_rank_0_notices_a_rank_that_read_other_records(skip: int, threaded: bool
         except BaseException as exc:  # a rank that raises tells the others as it goes: no abort needed
             errors[r] = exc
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
+    _each_rank(rank_main, range(2))
     assert isinstance(errors[0], distributed.RanksDisagree), errors
     assert "rank 1" in str(errors[0])
     assert errors[1] is None  # rank 0 speaks for the job; rank 1 ends quietly
@@ -426,12 +419,7 @@ def test_closing_the_events_on_one_rank_ends_every_rank(failing: int, threaded: 
         except BaseException as exc:
             errors[r] = exc
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads)
+    assert _each_rank(rank_main, range(2))
     assert errors == [None, None]
     assert seen[failing][-1] == 5 and sorted(set(seen[failing])) == [1, 2, 3, 4, 5]
     assert set(seen[1 - failing]) >= {1, 2, 3, 4}
@@ -523,11 +511,7 @@ def test_ranks_of_a_ring_job_join_the_link_at_rank_0_s_hostfile_address() -> Non
         except link.Lost as exc:
             stars[r] = exc
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (2, 1, 0)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
+    _each_rank(rank_main, (2, 1, 0))
     assert all(isinstance(star, link.Star) for star in stars), stars
     got: list[Any] = [None] * 3
     gathers = [
