@@ -12,11 +12,13 @@ conversions: a plain config, affine quantization, one of the converter's archite
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
 import os
 import sys
+import threading
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -68,6 +70,9 @@ def load(folder: str, trust_remote_code: bool = False) -> tuple[Any, Callable[[]
     once it has queued work on the weights, which mlx computes meanwhile); raises what ``mlx_lm.load``
     raises."""
     root = Path(folder)
+    # The tokenizer's file is parsed on a thread while the weights load: both spend most of their time
+    # outside the GIL (tokenizers in Rust, mlx in C++), so on two cores the start-up pays the longer only.
+    early = _Early(root)
     loaded = _load_plain(root)
     if loaded is None:
         import mlx_lm
@@ -80,17 +85,38 @@ def load(folder: str, trust_remote_code: bool = False) -> tuple[Any, Callable[[]
         )
         return model, lambda: tokenizer
     model, config = loaded
-    eos = config.get("eos_token_id")
 
     def load_tokenizer() -> Any:
-        fast = fast_tokenizer.load(folder, [eos] if isinstance(eos, int) else list(eos or []))
+        fast = early.result()
         if fast is not None:
             return fast
         from mlx_lm.utils import load_tokenizer as mlx_lm_tokenizer  # transformers: for other tokenizers
 
+        eos = config.get("eos_token_id")
         return mlx_lm_tokenizer(root, {"trust_remote_code": trust_remote_code}, eos_token_ids=eos)
 
     return model, load_tokenizer
+
+
+class _Early:
+    """``fast_tokenizer.load`` of a folder with its config's EOS ids (as mlx-lm's loader passes them),
+    started on a daemon thread (an interrupted start-up never waits for it); a failure there is a None,
+    which sends the caller to mlx-lm's tokenizer."""
+
+    def __init__(self, root: Path) -> None:
+        self._fast: Any = None
+        self._thread = threading.Thread(target=self._load, args=(root,), name="tokenizer", daemon=True)
+        self._thread.start()
+
+    def _load(self, root: Path) -> None:
+        with contextlib.suppress(Exception):  # unreadable config: mlx-lm's loader will say why
+            eos = json.loads((root / "config.json").read_text(encoding="utf-8")).get("eos_token_id")
+            self._fast = fast_tokenizer.load(str(root), [eos] if isinstance(eos, int) else list(eos or []))
+
+    def result(self) -> Any:
+        """The fast tokenizer, or None."""
+        self._thread.join()
+        return self._fast
 
 
 def _load_plain(root: Path) -> tuple[Any, dict[str, Any]] | None:
