@@ -83,6 +83,69 @@ def test_a_reused_prefix_cache_gives_mlx_lms_tokens(engine: Any) -> None:
     assert runs[0] == runs[1]
 
 
+def test_a_prefix_kept_between_runs_is_read_back_bit_for_bit(engine: Any, tmp_path: Any, monkeypatch) -> None:
+    import mlx.core as mx
+
+    from mlxpipe.engine import prefix
+
+    tokens = engine.prompts.tokens(_record("Name three colours."))
+    files = {}
+
+    def store(key: tuple[int, ...]) -> Any:
+        return files.setdefault(key, tmp_path / f"m.prefix-{len(files)}.safetensors")
+
+    n, computed = prefix.PrefixCache(engine.model, 256, store).split(tokens[:20], tokens)
+    (path,) = files.values()
+    assert n == 20 and path.is_file()
+    monkeypatch.setattr(prefix, "prefill", lambda *a, **k: pytest.fail("computed again"))
+    n, kept = prefix.PrefixCache(engine.model, 256, store).split(tokens[:20], tokens)
+    assert n == 20 and computed is not None and kept is not None
+    for a, b in zip(computed, kept, strict=True):
+        assert a.offset == b.offset == 20
+        assert mx.array_equal(a.keys, b.keys).item() and mx.array_equal(a.values, b.values).item()
+
+
+def test_a_damaged_or_foreign_prefix_file_is_computed_again(engine: Any, tmp_path: Any) -> None:
+    import mlx.core as mx
+
+    from mlxpipe.engine import prefix
+
+    tokens = engine.prompts.tokens(_record("Name three colours."))
+    path = tmp_path / "m.prefix-0.safetensors"
+    fresh = prefix.PrefixCache(engine.model, 256).split(tokens[:20], tokens)[1]
+    for content in (b"not a safetensors file", None):
+        if content is None:  # a well-formed file of another length: refused, not sliced
+            mx.save_safetensors(
+                str(path), {"0.keys": mx.zeros((1, 3, 5, 64)), "0.values": mx.zeros((1, 3, 5, 64))}
+            )
+        else:
+            path.write_bytes(content)
+        n, cache = prefix.PrefixCache(engine.model, 256, lambda _: path).split(tokens[:20], tokens)
+        assert n == 20 and cache is not None and fresh is not None
+        assert all(mx.array_equal(a.keys, b.keys).item() for a, b in zip(fresh, cache, strict=True))
+        assert mx.load(str(path))["0.keys"].shape[2] == 20  # rewritten with what was computed
+
+
+def test_prefix_files_beyond_the_kept_number_are_dropped_oldest_first(engine: Any, tmp_path: Any) -> None:
+    import os
+
+    from mlxpipe.engine import prefix
+
+    tokens = engine.prompts.tokens(_record("Name three colours."))
+    for i in range(prefix.PREFIX_FILES_KEPT + 2):
+        old = tmp_path / f"m.prefix-old{i}.safetensors"
+        old.write_bytes(b"x")
+        os.utime(old, (1000 + i, 1000 + i))
+    new = tmp_path / "m.prefix-new.safetensors"
+    prefix.PrefixCache(engine.model, 256, lambda _: new).split(tokens[:20], tokens)
+    left = sorted(p.name for p in tmp_path.glob("m.prefix-*"))
+    assert len(left) == prefix.PREFIX_FILES_KEPT and new.name in left
+    assert (
+        "m.prefix-old0.safetensors" not in left
+        and f"m.prefix-old{prefix.PREFIX_FILES_KEPT + 1}.safetensors" in left
+    )
+
+
 def _record(text: str) -> Any:
     from mlxpipe.reader import records_from_objects
 

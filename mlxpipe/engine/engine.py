@@ -8,9 +8,13 @@ does the same for many records at once (:mod:`.batch`).
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -71,7 +75,7 @@ class Engine:
         self.reuse_prefix = True
         self.prefill_step = _CPU_PREFILL_STEP if accelerator() is None else _GPU_PREFILL_STEP
         self.prompts = Prompts(tokenizer, self.context_length)
-        self.prefixes = PrefixCache(model, self.prefill_step)
+        self.prefixes = PrefixCache(model, self.prefill_step, self._prefix_file)
         self.constraints = Constraints(tokenizer)
         self.vocab_size = len(tokenizer)
         # We check prompt length against the context ourselves, on the record's error line; the
@@ -91,7 +95,7 @@ class Engine:
         source = models.resolve(spec)
         folder = models.materialize(source)
         try:
-            model, load_tokenizer = loader.load(folder, trust_remote_code)
+            model, tokenizing = loader.load(folder, trust_remote_code)
         except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds; the user needs one line
             raise _load_error(source.spec, exc, trust_remote_code) from None
         used, reason = choose_dtype(model, dtype, batch)
@@ -101,12 +105,12 @@ class Engine:
         # A GGUF conversion's float32 matrices are kept in the cache: reading them beats dequantizing.
         tag = f"float32-{STORED_VERSION}-mlx{getattr(mx, '__version__', '')}.safetensors"
         stored = models.derived_file(folder, tag)
-        model = apply_dtype(model, used, stored, wait=False)  # mlx computes them while the tokenizer loads
+        tokenizing.start()  # its file is parsed while mlx reads or computes the weights
+        model = apply_dtype(model, used, stored)
         try:
-            tokenizer = load_tokenizer()
+            tokenizer = tokenizing.result()
         except Exception as exc:
             raise _load_error(source.spec, exc, trust_remote_code) from None
-        mx.eval(model.parameters())
         engine = cls(model, tokenizer, source, folder, used, reason)
         engine.quantized_rows = quantized.attach(engine, engine.model, forms, _streams)
         # mx.fast's norms and RoPE have no CPU kernels, mlx's CPU exp is slow: on a CPU, compiled stand-ins.
@@ -136,6 +140,32 @@ class Engine:
         if self.dtype != "float32" or accelerator() is not None:
             return []
         return blas.slow_paths()
+
+    def _prefix_file(self, tokens: tuple[int, ...]) -> Path | None:
+        """Where the KV cache of the shared prefix ``tokens`` is kept between runs (:mod:`.prefix`), under a
+        name that changes with anything that changes its numbers; None where nothing is kept (models that
+        are not mlxpipe's own conversions)."""
+        text = repr((tokens, self._numbers_signature))
+        return models.derived_file(
+            self.folder, f"prefix-{hashlib.sha256(text.encode()).hexdigest()[:32]}.safetensors"
+        )
+
+    @cached_property
+    def _numbers_signature(self) -> tuple[Any, ...]:
+        # What decides a prefix's computed numbers besides its tokens: how this engine computes (dtype,
+        # device, fast paths, switches) and the code that does it (mlx, mlxpipe's engine and CPU rooms).
+        here = Path(__file__).resolve().parents[1]
+        files = [
+            p
+            for room in ("engine", "cpu")
+            for p in sorted((here / room).iterdir())
+            if p.suffix in (".py", ".c")
+        ]
+        files.append(Path(sys.modules[type(self.model).__module__].__file__ or ""))  # mlx-lm's model
+        code = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()]
+        switches = sorted((k, v) for k, v in os.environ.items() if k.startswith(("MLXPIPE_", "OPENBLAS")))
+        device = (str(mx.default_device()), getattr(mx, "__version__", ""))
+        return (self.dtype, device, self.cpu_fast_paths, self.quantized_rows, switches, code)
 
     def auto_batch(self, max_tokens: int, interactive: bool) -> int:
         """What ``--batch auto`` means for this run (1 when reading a terminal); recorded for ``info``."""

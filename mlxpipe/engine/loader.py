@@ -65,14 +65,10 @@ def _defer_mlx_lm() -> None:
 _defer_mlx_lm()
 
 
-def load(folder: str, trust_remote_code: bool = False) -> tuple[Any, Callable[[], Any]]:
-    """``folder``'s model (weights evaluated) and a function that loads its tokenizer (for the caller to call
-    once it has queued work on the weights, which mlx computes meanwhile); raises what ``mlx_lm.load``
-    raises."""
+def load(folder: str, trust_remote_code: bool = False) -> tuple[Any, Tokenizing]:
+    """``folder``'s model (weights evaluated) and its tokenizer's loading, for the caller to start when it
+    is about to wait on mlx (see :class:`Tokenizing`); raises what ``mlx_lm.load`` raises."""
     root = Path(folder)
-    # The tokenizer's file is parsed on a thread while the weights load: both spend most of their time
-    # outside the GIL (tokenizers in Rust, mlx in C++), so on two cores the start-up pays the longer only.
-    early = _Early(root)
     loaded = _load_plain(root)
     if loaded is None:
         import mlx_lm
@@ -83,40 +79,51 @@ def load(folder: str, trust_remote_code: bool = False) -> tuple[Any, Callable[[]
             tokenizer_config={"trust_remote_code": trust_remote_code},
             trust_remote_code=trust_remote_code,
         )
-        return model, lambda: tokenizer
+        return model, Tokenizing(lambda: tokenizer)
     model, config = loaded
+    eos = config.get("eos_token_id")
 
-    def load_tokenizer() -> Any:
-        fast = early.result()
-        if fast is not None:
-            return fast
+    def fast() -> Any:
+        return fast_tokenizer.load(folder, [eos] if isinstance(eos, int) else list(eos or []))
+
+    def slow() -> Any:
         from mlx_lm.utils import load_tokenizer as mlx_lm_tokenizer  # transformers: for other tokenizers
 
-        eos = config.get("eos_token_id")
         return mlx_lm_tokenizer(root, {"trust_remote_code": trust_remote_code}, eos_token_ids=eos)
 
-    return model, load_tokenizer
+    return model, Tokenizing(slow, fast)
 
 
-class _Early:
-    """``fast_tokenizer.load`` of a folder with its config's EOS ids (as mlx-lm's loader passes them),
-    started on a daemon thread (an interrupted start-up never waits for it); a failure there is a None,
-    which sends the caller to mlx-lm's tokenizer."""
+class Tokenizing:
+    """A tokenizer being loaded: ``start()`` parses its file on a thread, ``result()`` waits for it.
 
-    def __init__(self, root: Path) -> None:
-        self._fast: Any = None
-        self._thread = threading.Thread(target=self._load, args=(root,), name="tokenizer", daemon=True)
-        self._thread.start()
+    Started just before the caller waits on mlx (the float32 weights): tokenizers holds the GIL while it
+    parses, so it overlaps only with work that releases it, and mlx's evaluation does. A daemon thread: an
+    interrupted start-up never waits for it. What the thread cannot load (``fast`` gives None or fails) is
+    loaded by ``slow`` on the caller's thread.
+    """
 
-    def _load(self, root: Path) -> None:
-        with contextlib.suppress(Exception):  # unreadable config: mlx-lm's loader will say why
-            eos = json.loads((root / "config.json").read_text(encoding="utf-8")).get("eos_token_id")
-            self._fast = fast_tokenizer.load(str(root), [eos] if isinstance(eos, int) else list(eos or []))
+    def __init__(self, slow: Callable[[], Any], fast: Callable[[], Any] | None = None) -> None:
+        self._slow, self._fast = slow, fast
+        self._loaded: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Begin loading the fast tokenizer on a thread (nothing when there is none)."""
+        if self._fast is not None and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tokenizer", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        with contextlib.suppress(Exception):  # not ours after all: the slow path says why, if it fails too
+            self._loaded = self._fast() if self._fast is not None else None
 
     def result(self) -> Any:
-        """The fast tokenizer, or None."""
-        self._thread.join()
-        return self._fast
+        """The tokenizer (started here if ``start`` was not called); raises what the slow path raises."""
+        self.start()
+        if self._thread is not None:
+            self._thread.join()
+        return self._loaded if self._loaded is not None else self._slow()
 
 
 def _load_plain(root: Path) -> tuple[Any, dict[str, Any]] | None:

@@ -1,13 +1,21 @@
 """Shared prefixes: the KV cache of a prompt's record-independent start, computed once and reused.
 
 The split point comes from :meth:`.prompts.Prompts.shared_head` and depends only on the record itself, never
-on its neighbours, so an answer does not change with what came before it.
+on its neighbours, so an answer does not change with what came before it. Where the engine gives a file for
+a prefix (``store``), its KV cache is also kept between runs: a process started per file (``make``,
+``xargs``) reads its system prompt's cache instead of computing it again. The file's name carries everything
+that decides the numbers (tokens, dtype, device, versions, code), so a kept cache is the one a run would
+compute.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -19,14 +27,23 @@ __all__ = ["MIN_PREFIX_TOKENS", "PREFIX_CACHE_ENTRIES", "PrefixCache", "prefill"
 
 MIN_PREFIX_TOKENS = 16  # shorter shared prefixes are not worth a cache entry
 PREFIX_CACHE_ENTRIES = 4  # distinct prefixes kept (system prompts / templates in one run); LRU
+PREFIX_FILES_KEPT = 16  # prefix files kept per model between runs; the least recently used go first
+PREFIX_FILE_MAX_BYTES = 256 << 20  # larger KV caches are not written (reading them would not pay)
 
 
 class PrefixCache:
     """The KV caches of the last :data:`PREFIX_CACHE_ENTRIES` shared prefixes of one model."""
 
-    def __init__(self, model: Any, prefill_step: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        prefill_step: int,
+        store: Callable[[tuple[int, ...]], Path | None] | None = None,
+    ) -> None:
+        """``store``: the file keeping a prefix's KV cache between runs (None: not kept)."""
         self.model = model
         self.prefill_step = prefill_step
+        self.store = store
         self._entries: OrderedDict[tuple[int, ...], list[Any]] = OrderedDict()
 
     def clear(self) -> None:
@@ -45,7 +62,11 @@ class PrefixCache:
             cache = make_prompt_cache(self.model)
             if not all(type(c) is KVCache for c in cache):
                 return 0, None  # sliding-window or recurrent caches cannot be shared by slicing
-            prefill(self.model, cache, key, step=self.prefill_step)
+            path = self.store(key) if self.store is not None else None
+            if path is None or not _read_kv(path, cache, n):
+                prefill(self.model, cache, key, step=self.prefill_step)
+                if path is not None:
+                    _write_kv(path, cache, n)
             self._entries[key] = cache
             if len(self._entries) > PREFIX_CACHE_ENTRIES:
                 self._entries.popitem(last=False)
@@ -68,3 +89,48 @@ def _copy_kv(cache: Any, n: int) -> Any:
     copy.values = cache.values[..., :n, :]
     copy.offset = n
     return copy
+
+
+def _read_kv(path: Path, cache: list[Any], n: int) -> bool:
+    """Fill ``cache`` (fresh, one per layer) with the ``n`` positions kept at ``path``; False when there is
+    no such file or it does not fit (the caller computes them)."""
+    try:
+        kept: Any = mx.load(str(path))
+        arrays = [(kept[f"{i}.keys"], kept[f"{i}.values"]) for i in range(len(cache))]
+    except (OSError, RuntimeError, ValueError, KeyError):
+        return False
+    if len(kept) != 2 * len(cache) or any(
+        k.ndim != 4 or k.shape[2] != n or v.shape[2] != n for k, v in arrays
+    ):
+        return False
+    for c, (k, v) in zip(cache, arrays, strict=True):
+        c.keys, c.values, c.offset = k, v, n
+    mx.eval([c.state for c in cache])
+    with contextlib.suppress(OSError):
+        os.utime(path)  # recently used: kept longest
+    return True
+
+
+def _write_kv(path: Path, cache: list[Any], n: int) -> None:
+    """Keep ``cache``'s first ``n`` positions at ``path`` (published whole, by rename), then drop the least
+    recently used of the model's other prefix files beyond :data:`PREFIX_FILES_KEPT`. Best effort: a cache
+    directory that cannot be written only costs the next run the computing."""
+    arrays = {}
+    for i, c in enumerate(cache):
+        arrays[f"{i}.keys"], arrays[f"{i}.values"] = c.keys[..., :n, :], c.values[..., :n, :]
+    if sum(a.nbytes for a in arrays.values()) > PREFIX_FILE_MAX_BYTES:
+        return
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".prefix-", suffix=".safetensors")
+        os.close(fd)
+        try:
+            mx.save_safetensors(tmp, arrays)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        stem = path.name.split(".prefix-")[0]
+        kept = sorted(path.parent.glob(f"{stem}.prefix-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in kept[PREFIX_FILES_KEPT:]:
+            old.unlink(missing_ok=True)
