@@ -126,7 +126,7 @@ def choose_dtype(model: Any, requested: str, batch: int = 1) -> tuple[str, str]:
     return "float32", f"auto on cpu: float32 weights with {with_blas} (faster than quantized kernels)"
 
 
-def apply_dtype(model: Any, dtype: str, stored: Path | None = None, *, wait: bool = True) -> Any:
+def apply_dtype(model: Any, dtype: str, stored: Path | None = None) -> Any:
     """Turn ``model`` into ``dtype`` in place: dequantize (as mlx-lm's ``dequantize_model``), then cast
     floating weights.
 
@@ -134,7 +134,7 @@ def apply_dtype(model: Any, dtype: str, stored: Path | None = None, *, wait: boo
     has its floating parameters cast to its own 16-bit type (:func:`half_dtype`) too, so that activations
     are not computed in float32.
     ``stored``: a file keeping the float32 dequantized matrices between runs (read when it exists, else
-    written), for ``float32`` only. ``wait=False`` returns before mlx has computed the new weights.
+    written), for ``float32`` only.
     """
     if dtype == "quantized":
         leaves: Any = tree_flatten(model.parameters())
@@ -151,10 +151,7 @@ def apply_dtype(model: Any, dtype: str, stored: Path | None = None, *, wait: boo
                     m.update({k: m[k].astype(mx.float32) for k in ("scales", "biases") if k in m})
         model = dequantize(model, stored if dtype == "float32" else None)
     model.set_dtype(_FLOATS[dtype])
-    if wait:
-        mx.eval(model.parameters())
-    else:
-        mx.async_eval(model.parameters())  # type: ignore[no-untyped-call]  # (mlx ships no types for it)
+    mx.eval(model.parameters())
     return model
 
 
