@@ -1,8 +1,9 @@
 """Where the non-product part of a batched decode step goes: one decode step of the bare model with
 mlx-lm's ``BatchKVCache`` (left-padded prompts, the mask of the real batched path), with one part at a time
-replaced by a near-free stand-in; the difference to the whole step is that part's cost.
+replaced by a near-free stand-in; the difference to the whole step is that part's cost. One variant puts
+mx.fast's attention back in place of mlxpipe.cpu.layers' (the step before it).
 
-    PYTHONPATH=. flock -x /tmp/mlxpipe-cpu.lock python bench/step_split.py [--batch 16,64] [--length 96]
+    PYTHONPATH=. flock -x /tmp/mlxpipe-cpu.lock python bench/step_split.py [--batch 1,16,64] [--length 96]
 
 Each timed step writes its keys and values at the same position and is then trimmed off the caches, so
 every step sees ``--length`` positions. Variants alternate within each round; ms, min / median.
@@ -15,7 +16,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from mlxpipe import Engine  # the BLAS first, then mlx
@@ -23,9 +24,16 @@ from mlxpipe import Engine  # the BLAS first, then mlx
 
 def batch_caches(model: Any, b: int, length: int) -> tuple[list[Any], Any]:
     """Caches of b left-padded prompts (lengths 8…length, as a batch's records differ) read in one pass;
-    the token each row decodes next."""
+    the token each row decodes next. One record: the single stream's plain KV cache, no mask."""
     import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    if b == 1:
+        caches = make_prompt_cache(model)
+        logits = model(mx.array([[(7 * j) % 1000 + 100 for j in range(length)]]), cache=caches)
+        nxt = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
+        mx.eval(nxt)
+        return caches, nxt
 
     lengths = [8 + (i * 37) % (length - 7) for i in range(b)]
     lengths[0] = length
@@ -66,9 +74,11 @@ def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
         setattr(obj, name, old)
 
 
-def variants(model: Any) -> dict[str, Callable[[], Any]]:
+def variants(model: Any, cache_class: type) -> dict[str, Callable[[], Any]]:
     """Name → a context manager replacing one part of the step by a near-free stand-in."""
-    from mlx_lm.models import cache, llama
+    from mlx_lm.models import llama
+
+    from mlxpipe.cpu import layers
 
     layer = model.layers[0]  # the swapped classes (mlxpipe.cpu.layers) where the engine swapped them
     rope_cls = type(layer.self_attn.rope)
@@ -78,19 +88,30 @@ def variants(model: Any) -> dict[str, Callable[[], Any]]:
     def no_update(self: Any, keys: Any, values: Any) -> Any:
         # The fetch without the write: the same slices of the same buffers.
         self.offset = self.offset + keys.shape[2]
-        self._idx += keys.shape[2]
-        return self.keys_and_values()
+        if hasattr(self, "_idx"):  # BatchKVCache
+            self._idx += keys.shape[2]
+            return self.keys_and_values()
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def no_attention() -> Any:  # mx.fast's or mlxpipe.cpu.layers': the queries instead
+        stack = ExitStack()
+        stack.enter_context(patched(llama, "scaled_dot_product_attention", lambda q, k, v, **kw: q))
+        stack.enter_context(patched(layers, "attention", lambda q, k, v, scale, mask: q))
+        return stack
+
+    def sdpa() -> Any:  # mx.fast's attention in place of mlxpipe.cpu.layers' (as before it)
+        fast = type(layer.self_attn)
+        return patched(fast, "__call__", fast.__dict__.get("_plain", fast).__call__)
 
     def no_residuals(self: Any, x: Any, mask: Any = None, cache: Any = None) -> Any:
         return self.mlp(self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache)))
 
     return {
         "whole": lambda: patched(llama, "__name__", llama.__name__),
-        "no attention (mx.fast's → q)": lambda: patched(
-            llama, "scaled_dot_product_attention", lambda q, k, v, **kw: q
-        ),
+        "mx.fast's attention": sdpa,
+        "no attention": no_attention,
         "no mask": lambda: patched(llama, "create_attention_mask", lambda *a, **kw: None),
-        "no KV write": lambda: patched(cache.BatchKVCache, "update_and_fetch", no_update),
+        "no KV write": lambda: patched(cache_class, "update_and_fetch", no_update),
         "no RoPE": lambda: patched(rope_cls, "__call__", lambda self, x, offset=0: x),
         "no norms": lambda: patched(norm_cls, "__call__", lambda self, x: x),
         "no SwiGLU": lambda: patched(
@@ -102,7 +123,7 @@ def variants(model: Any) -> dict[str, Callable[[], Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", default="16,64")
+    parser.add_argument("--batch", default="1,16,64")
     parser.add_argument("--length", type=int, default=96)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
@@ -115,7 +136,7 @@ def main() -> None:
         caches, nxt = batch_caches(model, b, args.length)
         times: dict[str, list[float]] = {}
         for _ in range(args.rounds):
-            for name, make in variants(model).items():
+            for name, make in variants(model, type(caches[0])).items():
                 with make():
                     step(model, caches, nxt)  # warm-up (traces)
                     times.setdefault(name, []).extend(step(model, caches, nxt) for _ in range(args.steps))
