@@ -1,7 +1,8 @@
 """Where the non-product part of a batched decode step goes: one decode step of the bare model with
 mlx-lm's ``BatchKVCache`` (left-padded prompts, the mask of the real batched path), with one part at a time
 replaced by a near-free stand-in; the difference to the whole step is that part's cost. One variant puts
-mx.fast's attention back in place of mlxpipe.cpu.layers' (the step before it).
+mx.fast's attention back in place of mlxpipe.cpu.layers' (the step before it), another has RoPE compute
+each row's angles instead of gathering them from its table (before it).
 
     PYTHONPATH=. flock -x /tmp/mlxpipe-cpu.lock python bench/step_split.py [--batch 1,16,64] [--length 96]
 
@@ -103,16 +104,23 @@ def variants(model: Any, cache_class: type) -> dict[str, Callable[[], Any]]:
         fast = type(layer.self_attn)
         return patched(fast, "__call__", fast.__dict__.get("_plain", fast).__call__)
 
+    def rope_computed() -> Any:  # FastRoPE computing each row's angles (before it gathered them)
+        call = layers.FastRoPE.__call__
+        return patched(
+            layers.FastRoPE, "__call__", lambda self, x, offset=0, bound=None: call(self, x, offset)
+        )
+
     def no_residuals(self: Any, x: Any, mask: Any = None, cache: Any = None) -> Any:
         return self.mlp(self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache)))
 
     return {
         "whole": lambda: patched(llama, "__name__", llama.__name__),
         "mx.fast's attention": sdpa,
+        "RoPE's angles per row": rope_computed,
         "no attention": no_attention,
         "no mask": lambda: patched(llama, "create_attention_mask", lambda *a, **kw: None),
         "no KV write": lambda: patched(cache_class, "update_and_fetch", no_update),
-        "no RoPE": lambda: patched(rope_cls, "__call__", lambda self, x, offset=0: x),
+        "no RoPE": lambda: patched(rope_cls, "__call__", lambda self, x, offset=0, bound=None: x),
         "no norms": lambda: patched(norm_cls, "__call__", lambda self, x: x),
         "no SwiGLU": lambda: patched(
             mlp_cls, "__call__", lambda self, x: self.down_proj(self.gate_proj(x) + self.up_proj(x))

@@ -76,6 +76,16 @@ def test_rope_matches_mx_fast(dtype: Any, traditional: bool, dims: int, width: i
             assert _close(fast(x, offset), plain(x, offset), dtype), (tokens, base, scale)
 
 
+def test_rope_gathers_per_row_positions_from_the_table_with_the_same_numbers() -> None:
+    rope = layers.FastRoPE(64, traditional=False, base=1e5)
+    offset = mx.array([3, 0, 100, 7])
+    for tokens in (1, 5):
+        x = mx.random.normal((4, 9, tokens, 64), key=mx.random.key(tokens))
+        computed = rope(x, offset)
+        assert mx.array_equal(rope(x, offset, bound=105), computed).item()  # grows the table as needed
+        assert _close(computed, nn.RoPE(64, traditional=False, base=1e5)(x, offset), mx.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_is_within_float32_rounding_of_silu(dtype: Any) -> None:
     # Not bit for bit (a rational tanh instead of mlx's exp): compared with float64 maths, next to mlx's own.
