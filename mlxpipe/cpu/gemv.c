@@ -801,9 +801,9 @@ __attribute__((target("avx512f,fma"))) static void weights_avx512(const float *a
     for (; j < k; j++) e[j] *= 1.0f / z;
 }
 
-/* c (rows x n) = e (rows x k) b (k x n), four rows and 64 columns at a time, each sum over j in order. */
-__attribute__((target("avx512f,fma"))) static void weighted_avx512(int rows, int n, int k, const float *e, int lde,
-                                                                   const float *b, int ldb, float *c, int ldc) {
+/* c (R x n) = e (R x k) b (k x n), 64 columns at a time, each sum over j in order; R a constant (registers). */
+__attribute__((target("avx512f,fma"), always_inline)) static inline void
+weighted_rows(const int R, int n, int k, const float *e, int lde, const float *b, int ldb, float *c, int ldc) {
     for (int col = 0; col < n; col += 64) {
         int w = n - col < 64 ? n - col : 64;
         __mmask16 mk[4];
@@ -812,42 +812,94 @@ __attribute__((target("avx512f,fma"))) static void weighted_avx512(int rows, int
             mk[v] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
         }
         __m512 acc[4][4];
-        for (int i = 0; i < 4; i++)
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
             for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();
         for (int j = 0; j < k; j++) {
             const float *bj = b + (long)j * ldb + col;
             __m512 bv[4];
+#pragma GCC unroll 4
             for (int v = 0; v < 4; v++) bv[v] = _mm512_maskz_loadu_ps(mk[v], bj + 16 * v);
-            for (int i = 0; i < rows; i++) {
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
                 __m512 ej = _mm512_set1_ps(e[(long)i * lde + j]);
+#pragma GCC unroll 4
                 for (int v = 0; v < 4; v++) acc[i][v] = _mm512_fmadd_ps(ej, bv[v], acc[i][v]);
             }
         }
-        for (int i = 0; i < rows; i++)
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
             for (int v = 0; v < 4; v++) _mm512_mask_storeu_ps(c + (long)i * ldc + col + 16 * v, mk[v], acc[i][v]);
+    }
+}
+
+/* c (rows x n) = e (rows x k) b (k x n), rows <= 4. */
+__attribute__((target("avx512f,fma"))) static void weighted_avx512(int rows, int n, int k, const float *e, int lde,
+                                                                   const float *b, int ldb, float *c, int ldc) {
+    switch (rows) {
+    case 4: weighted_rows(4, n, k, e, lde, b, ldb, c, ldc); break;
+    case 3: weighted_rows(3, n, k, e, lde, b, ldb, c, ldc); break;
+    case 2: weighted_rows(2, n, k, e, lde, b, ldb, c, ldc); break;
+    default: weighted_rows(1, n, k, e, lde, b, ldb, c, ldc); break;
     }
 }
 #endif
 
 #ifdef X86_AVX512
-/* c (m x n) = a (m x k) b^T, b n x k: four rows of a at a time, each score's sum in one order. */
-__attribute__((target("avx512f,fma"))) static void scores_avx512(int m, int n, int k, const float *a, int lda,
-                                                                 const float *b, int ldb, float *c, int ldc) {
-    for (int i = 0; i < m; i += 4) {
-        int rows = m - i < 4 ? m - i : 4;
-        for (int j = 0; j < n; j++) {
-            const float *bj = b + (long)j * ldb;
-            __m512 acc[4];
-            for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
-            for (int d = 0; d < k; d += 16) {
-                __mmask16 mk = k - d >= 16 ? 0xFFFF : (__mmask16)((1u << (k - d)) - 1);
-                __m512 bv = _mm512_maskz_loadu_ps(mk, bj + d);
-                for (int r = 0; r < rows; r++)
-                    acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, a + (long)(i + r) * lda + d), bv, acc[r]);
-            }
-            for (int r = 0; r < rows; r++) c[(long)(i + r) * ldc + j] = _mm512_reduce_add_ps(acc[r]);
+/* Eight vectors' sums in the low half of one, each by the same tree of additions; lane j holds the sum
+ * of v[j] (the tree leaves key j in lane SUMS8_ORDER[j]). */
+static const int32_t SUMS8_ORDER[16] = {0, 1, 8, 9, 4, 5, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0};
+__attribute__((target("avx512f"), always_inline)) static inline __m512 sums8(__m512 *v) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) /* 256-bit halves: v[i] and v[i + 4] share a vector */
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 4], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 4], 0xEE));
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++) /* 128-bit quarters */
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 2], 0x88), _mm512_shuffle_f32x4(v[i], v[i + 2], 0xDD));
+    __m512d x = _mm512_castps_pd(v[0]), y = _mm512_castps_pd(v[1]); /* pairs of lanes */
+    __m512 p = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    __m512 lanes = _mm512_add_ps(_mm512_shuffle_ps(p, p, 0x88), _mm512_shuffle_ps(p, p, 0xDD)); /* single lanes */
+    return _mm512_permutexvar_ps(_mm512_loadu_si512(SUMS8_ORDER), lanes);
+}
+
+/* s[r][0..count) = a row r . b rows 0..count (ldb apart), R <= 3 rows and 8 keys; every sum alike. */
+__attribute__((target("avx512f,fma"), always_inline)) static inline void
+scores8(const int R, const float *a, int lda, int k, const float *b, int ldb, float *s, int lds, int count) {
+    __m512 acc[3][8];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int d = 0; d < k; d += 16) {
+        __mmask16 mk = k - d >= 16 ? 0xFFFF : (__mmask16)((1u << (k - d)) - 1);
+        __m512 av[3];
+#pragma GCC unroll 3
+        for (int r = 0; r < R; r++) av[r] = _mm512_maskz_loadu_ps(mk, a + (long)r * lda + d);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m512 bv = _mm512_maskz_loadu_ps(j < count ? mk : 0, b + (long)j * ldb + d);
+#pragma GCC unroll 3
+            for (int r = 0; r < R; r++) acc[r][j] = _mm512_fmadd_ps(av[r], bv, acc[r][j]);
         }
     }
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(s + (long)r * lds, (__mmask16)((1u << count) - 1), sums8(acc[r]));
+}
+
+/* c (m x n) = a (m x k) b^T, b n x k: three rows and eight keys at a time, each score's sum alike. */
+__attribute__((target("avx512f,fma"))) static void scores_avx512(int m, int n, int k, const float *a, int lda,
+                                                                 const float *b, int ldb, float *c, int ldc) {
+    for (int i = 0; i < m; i += 3)
+        for (int j = 0; j < n; j += 8) {
+            const float *ai = a + (long)i * lda, *bj = b + (long)j * ldb;
+            float *cij = c + (long)i * ldc + j;
+            int count = n - j < 8 ? n - j : 8;
+            if (m - i >= 3) scores8(3, ai, lda, k, bj, ldb, cij, ldc, count);
+            else if (m - i == 2) scores8(2, ai, lda, k, bj, ldb, cij, ldc, count);
+            else scores8(1, ai, lda, k, bj, ldb, cij, ldc, count);
+        }
 }
 #endif
 
