@@ -308,7 +308,7 @@ def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
 def test_model_info_reports_the_fast_paths() -> None:
     info = json.loads(run_cli(["--model-info"]).stdout)
     on_cpu = info["device"].startswith("Device(cpu")
-    fast = ["attention", "eval_per_layer", "rms_norm", "rope", "swiglu"]
+    fast = ["attention"] * gemv.attention_available() + ["eval_per_layer", "rms_norm", "rope", "swiglu"]
     assert info["cpu_fast_paths"] == (fast if on_cpu else [])
     off = json.loads(run_cli(["--model-info"], env=cli_env(**{layers.ENV: "off"})).stdout)
     assert off["cpu_fast_paths"] == []
