@@ -721,8 +721,10 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
 #define SCORES_ALPHA (-0x1p99f)
 #define SOFTMAX_ALPHA (-0x1p100f)
 static long attention_calls;
+static int attention_portable; /* 1: the portable loops even where the AVX-512 kernels run (tests) */
 
 long mlxpipe_attention_calls(void) { return attention_calls; }
+void mlxpipe_attention_portable(int on) { attention_portable = on; }
 
 static float exp_scalar(float x) {
     float y = fminf(fmaxf(x * 1.442695f, -127.0f), 128.0f); /* clamped: no overflow below (mlx's range) */
@@ -907,7 +909,7 @@ __attribute__((target("avx512f,fma"))) static void scores_avx512(int m, int n, i
 static void attention_scores(int m, int n, int k, const float *a, int lda, const float *b, int ldb, float *c,
                              int ldc) {
 #ifdef X86_AVX512
-    if (mlxpipe_qgemv_available()) {
+    if (!attention_portable && mlxpipe_qgemv_available()) {
         scores_avx512(m, n, k, a, lda, b, ldb, c, ldc);
         attention_calls++;
         return;
@@ -928,7 +930,7 @@ static int attention_product(int m, int n, int k, const float *a, int lda, const
     float *e = attention_scratch(4 * k);
     if (!e) return 0;
 #ifdef X86_AVX512
-    if (mlxpipe_qgemv_available()) {
+    if (!attention_portable && mlxpipe_qgemv_available()) {
         for (int i = 0; i < m; i += 4) {
             int rows = m - i < 4 ? m - i : 4;
             for (int r = 0; r < rows; r++) weights_avx512(a + (long)(i + r) * lda, k, e + (long)r * k);
