@@ -86,6 +86,7 @@ class _Angles:
         self.sign = mx.array([-1.0 if f else 1.0 for f in first], dtype=mx.float32)
         self.cos = self.sin = mx.zeros((0, dims), dtype=mx.float32)
         self.last: tuple[int, int, mx.array, mx.array] | None = None
+        self.last_rows: tuple[mx.array, tuple[int, int], mx.array, mx.array] | None = None
 
     def spread(self, positions: mx.array) -> tuple[mx.array, mx.array]:
         """cos and sin laid out for :func:`_rotate` at ``positions`` (float32; adds a last axis)."""
@@ -98,6 +99,19 @@ class _Angles:
         if bound > self.cos.shape[0]:
             size = max(2 * self.cos.shape[0], bound, 256)
             self.cos, self.sin = self.spread(mx.arange(size, dtype=mx.float32))
+
+    def rows(self, offsets: mx.array, count: int, bound: int, ndim: int) -> tuple[mx.array, mx.array]:
+        """Rows ``offsets[b]`` to ``offsets[b] + count`` of the table for each b (positions below ``bound``;
+        negative ones read row 0), shaped for ``ndim``-dimensional inputs; the last result again for the same
+        offsets array (a layer's queries, then its keys)."""
+        if self.last_rows is not None and self.last_rows[0] is offsets and self.last_rows[1] == (count, ndim):
+            return self.last_rows[2], self.last_rows[3]
+        self.grow(bound)
+        rows = mx.maximum(offsets.reshape(-1, 1) + mx.arange(count), 0)
+        shape = (-1,) + (1,) * (ndim - 3) + (count, self.cos.shape[-1])
+        cos, sin = (mx.take(table, rows, axis=0).reshape(shape) for table in (self.cos, self.sin))
+        self.last_rows = (offsets, (count, ndim), cos, sin)  # holds the offsets: their id stays theirs
+        return cos, sin
 
     def at(self, offset: int, count: int) -> tuple[mx.array, mx.array]:
         """Rows ``offset`` to ``offset + count`` of the table, growing it when they are new."""
@@ -142,10 +156,7 @@ class FastRoPE(RoPE):
         if isinstance(offset, int):
             cos, sin = angles.at(offset, t)
         elif bound is not None:  # a gather instead of 2 x B x dims cos and sin (~20 ns each on a CPU)
-            angles.grow(bound)
-            rows = mx.maximum(offset.reshape(-1, 1) + mx.arange(t), 0)
-            shape = (-1,) + (1,) * (x.ndim - 3) + (t, angles.cos.shape[-1])
-            cos, sin = (mx.take(table, rows, axis=0).reshape(shape) for table in (angles.cos, angles.sin))
+            cos, sin = angles.rows(offset, t, bound, x.ndim)
         else:  # positions (B or 1, 1, …, T): one offset per row, or one for all
             pos = offset.astype(mx.float32).reshape((-1,) + (1,) * (x.ndim - 2))
             cos, sin = angles.spread(pos + mx.arange(t, dtype=mx.float32))
