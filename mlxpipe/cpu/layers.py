@@ -293,7 +293,7 @@ SWIGLU_MLPS: set[type] = set()
 
 def apply(model: Any, kinds: Iterable[str] = KINDS) -> list[str]:
     """Swap ``model``'s exact ``nn.RMSNorm`` and ``nn.RoPE`` instances, the MLPs of :data:`SWIGLU_MLPS`, the
-    attentions of :data:`ATTENTIONS` (where gemv.c is in front of the BLAS) and the layers of
+    attentions of :data:`ATTENTIONS` (where gemv.c's AVX-512 kernels run) and the layers of
     :data:`DECODER_LAYERS`, in place; the kinds swapped, sorted.
 
     ``kinds``: which of :data:`KINDS` to swap.
