@@ -2,14 +2,14 @@
 BatchGenerator, mlxpipe's own per-token work; setting by setting, side by side.
 
     PYTHONPATH=. flock -x /tmp/mlxpipe-cpu.lock python bench/batch_steps.py [--batch 2,16,64] [--rounds 2]
-        [--settings qgemm,argmax,amx]
+        [--settings sdpa,amx]
 
 Settings: ``blas``: the products by OpenBLAS on the float32 weights with its default threads, as before
 issue 19; ``blas1``: the same with one OpenBLAS thread; ``qgemm``: products of several rows from the
 quantized bytes with the AVX-512 float32 kernels, mlx-lm's own decode step (the first issue-19 session);
 ``argmax``: the same with greedy steps that skip mlx-lm's log-softmax; ``amx``: that, with products of 16
-rows or more on AMX tiles (the default where the CPU has AMX). Per B and setting, minimum and median over
-the steps of:
+rows or more on AMX tiles (the default where the CPU has AMX); ``sdpa``: ``amx`` with mx.fast's attention
+in place of mlxpipe.cpu.layers' (before it). Per B and setting, minimum and median over the steps of:
 
 - ``products``: the step's 211 weight products alone (the attached matrices, B random rows, through the
   same ``cblas_sgemm`` mlx calls);
@@ -32,16 +32,22 @@ import time
 from typing import Any
 
 from mlxpipe import Engine, records_from_objects, run  # the BLAS first, then mlx
-from mlxpipe.cpu import blas, gemv
+from mlxpipe.cpu import blas, gemv, layers
 from mlxpipe.records import Settings
 
 sys.path.insert(0, os.path.dirname(__file__))
 from decode_steps import decode_steps
 
 
-def use(setting: str, b: int) -> None:
-    """Products, threads and decode step as ``setting`` says (see the module's docstring)."""
+def use(setting: str, b: int, model: Any = None) -> None:
+    """Products, threads, decode step and attention as ``setting`` says (see the module's docstring)."""
     from mlxpipe.engine import batch as batch_module
+
+    for layer in getattr(model, "layers", []):
+        attention = layer.self_attn
+        plain = type(attention).__dict__.get("_plain", type(attention))
+        attention.__class__ = plain if setting == "sdpa" else layers._fast_attention(plain)
+    setting = "amx" if setting == "sdpa" else setting
 
     gemv._shim.mlxpipe_qgemm_max_rows(0 if setting.startswith("blas") else gemv.MAX_ROWS)
     gemv.use_amx(gemv.AMX_ROWS if setting == "amx" else 0)
@@ -119,7 +125,7 @@ def main() -> None:
     parser.add_argument("--batch", default="2,16,64")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--settings", default="qgemm,argmax,amx", help="of blas, blas1, qgemm, argmax, amx")
+    parser.add_argument("--settings", default="sdpa,amx", help="of blas, blas1, qgemm, argmax, amx, sdpa")
     args = parser.parse_args()
     import mlx.core as mx
 
@@ -134,7 +140,7 @@ def main() -> None:
         picked: dict[str, list[int]] = {}
         for _ in range(args.rounds):
             for setting in settings:
-                use(setting, b)
+                use(setting, b, engine.model)
                 prod = products(b, args.steps)
                 model = decode_steps(engine.model, prompt, args.steps)
                 picked[setting] = model.picked
@@ -147,7 +153,7 @@ def main() -> None:
                 )
         same = all(picked[s] == picked[settings[0]] for s in settings)
         print(f"| {b} | greedy tokens of the bare steps equal in every setting: {same} |||||||")
-    use("amx", 1)
+    use("amx", 1, engine.model)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

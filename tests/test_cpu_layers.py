@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import cli_env, run_cli
 
-from mlxpipe.cpu import layers  # first: the cpu package loads the BLAS before mlx is first imported
+from mlxpipe.cpu import gemv, layers  # first: the cpu package loads the BLAS before mlx is first imported
 
 # isort: split
 import mlx.core as mx
@@ -76,6 +76,16 @@ def test_rope_matches_mx_fast(dtype: Any, traditional: bool, dims: int, width: i
             assert _close(fast(x, offset), plain(x, offset), dtype), (tokens, base, scale)
 
 
+def test_rope_gathers_per_row_positions_from_the_table_with_the_same_numbers() -> None:
+    rope = layers.FastRoPE(64, traditional=False, base=1e5)
+    offset = mx.array([3, 0, 100, 7])
+    for tokens in (1, 5):
+        x = mx.random.normal((4, 9, tokens, 64), key=mx.random.key(tokens))
+        computed = rope(x, offset)
+        assert mx.array_equal(rope(x, offset, bound=105), computed).item()  # grows the table as needed
+        assert _close(computed, nn.RoPE(64, traditional=False, base=1e5)(x, offset), mx.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_is_within_float32_rounding_of_silu(dtype: Any) -> None:
     # Not bit for bit (a rational tanh instead of mlx's exp): compared with float64 maths, next to mlx's own.
@@ -95,6 +105,79 @@ def test_swiglu_is_within_float32_rounding_of_silu(dtype: Any) -> None:
     plain_err = (np.abs(plain - exact) / scale).max()
     assert (np.abs(fast - exact) / scale).max() <= max(3 * plain_err, 5e-7)
     assert layers.swiglu(gate, x).dtype == dtype
+
+
+ATTENTION_CASES = [(2, 9, 3, 1, 40), (3, 9, 3, 6, 17), (1, 4, 4, 1, 7), (2, 8, 2, 5, 5)]  # B, heads, kv, L, S
+
+
+def _attention_inputs(b: int, heads: int, kv: int, length: int, positions: int) -> tuple[mx.array, ...]:
+    mx.random.seed(b * 100 + positions)
+    shape = (b, kv, positions, 64)
+    return mx.random.normal((b, heads, length, 64)), mx.random.normal(shape), mx.random.normal(shape) * 3
+
+
+def _masks(b: int, heads: int, length: int, positions: int) -> list[Any]:
+    """No mask, causal, mlx-lm's BatchKVCache mask (left padding; with L > 1 a padded query row is masked
+    whole), an additive mask per head, a boolean (L, S) mask."""
+    pad = mx.array([(3 * i) % positions for i in range(b)])
+    causal = mx.arange(positions - length, positions)[:, None] >= mx.arange(positions)[None]
+    left = (pad[:, None, None, None] <= mx.arange(positions)) & causal
+    additive = mx.random.normal((b, heads, length, positions))
+    return [None, "causal", left, additive, mx.random.uniform(shape=(length, positions)) > 0.3]
+
+
+@pytest.mark.skipif(not gemv.attention_available(), reason="gemv.c is not in front of the BLAS here")
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_matches_mx_fast(case: tuple[int, int, int, int, int]) -> None:
+    q, k, v = _attention_inputs(*case)
+    calls = gemv.attention_calls()
+    for mask in _masks(case[0], case[1], case[3], case[4]):
+        fast = layers.attention(q, k, v, 0.125, mask)
+        plain = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+        # The scores are summed in another order than the BLAS sums them: float32 rounding apart.
+        assert fast.shape == plain.shape and mx.allclose(fast, plain, rtol=1e-6, atol=1e-6).item(), mask
+        assert not mx.isnan(fast).any().item()
+    assert gemv.attention_calls() > calls
+
+
+@pytest.mark.skipif(not gemv.attention_available(), reason="gemv.c is not in front of the BLAS here")
+def test_a_records_attention_does_not_depend_on_its_batch() -> None:
+    # A record alone (no mask) and the same record left-padded in a batch of three (BatchKVCache's mask).
+    q, k, v = _attention_inputs(3, 9, 3, 1, 30)
+    alone = layers.attention(q[1:2], k[1:2, :, 10:], v[1:2, :, 10:], 0.125, None)
+    pad = mx.array([0, 10, 4])
+    batch = layers.attention(q, k, v, 0.125, (pad[:, None, None, None] <= mx.arange(30)))
+    assert mx.array_equal(alone, batch[1:2]).item()
+
+
+class _Attention(nn.Module):
+    """mlx-lm's Llama attention, as registered by the engine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from mlx_lm.models import llama
+
+        args = llama.ModelArgs("llama", 64, 1, 128, 4, 1e-5, 100, num_key_value_heads=2)
+        self.inner = llama.Attention(args)
+
+
+def test_apply_gives_registered_attentions_the_cpus_and_reverts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import KVCache
+
+    monkeypatch.setattr(layers, "ATTENTIONS", {llama.Attention})
+    model = _Attention()
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(6))
+    plain = model.inner(x, "causal", KVCache())
+    swapped = layers.apply(model, ["attention"])
+    assert swapped == (["attention"] if gemv.attention_available() else [])
+    if swapped:
+        assert type(model.inner) is not llama.Attention and isinstance(model.inner, llama.Attention)
+        calls = gemv.attention_calls()
+        assert mx.allclose(model.inner(x, "causal", KVCache()), plain, rtol=1e-6, atol=1e-6).item()
+        assert gemv.attention_calls() > calls
+    layers.revert(model)
+    assert type(model.inner) is llama.Attention
 
 
 class _MLP(nn.Module):
@@ -225,7 +308,8 @@ def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
 def test_model_info_reports_the_fast_paths() -> None:
     info = json.loads(run_cli(["--model-info"]).stdout)
     on_cpu = info["device"].startswith("Device(cpu")
-    assert info["cpu_fast_paths"] == (["eval_per_layer", "rms_norm", "rope", "swiglu"] if on_cpu else [])
+    fast = ["attention"] * gemv.attention_available() + ["eval_per_layer", "rms_norm", "rope", "swiglu"]
+    assert info["cpu_fast_paths"] == (fast if on_cpu else [])
     off = json.loads(run_cli(["--model-info"], env=cli_env(**{layers.ENV: "off"})).stdout)
     assert off["cpu_fast_paths"] == []
 

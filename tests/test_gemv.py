@@ -80,6 +80,40 @@ def test_forwarding_sgemm_matches_numpy_for_every_layout(
         np.testing.assert_allclose(sc, expected, rtol=1e-4, atol=1e-4, err_msg=f"{(m, k, n, order, ta, tb)}")
 
 
+def test_attention_products_match_numpy(openblas: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    # The two products layers.attention asks for by their alpha: a @ b.T (the scores), softmax(a) @ b.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    shim = ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL)
+    assert shim.mlxpipe_gemv_init(
+        ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
+    )
+    ptr, f = ctypes.c_void_p, ctypes.c_float
+    rng = np.random.default_rng(8)
+    cases = [(3, 64, 96), (1, 64, 1), (7, 40, 33), (5, 128, 300)]  # rows, head size, keys
+    # The AVX-512 kernels (where the CPU has them), then the portable loops other CPUs would run.
+    for (m, k, n), portable in itertools.product(cases, [0, 1]):
+        shim.mlxpipe_attention_portable(portable)
+        q = rng.standard_normal((m, k)).astype(np.float32)
+        cache = rng.standard_normal((2, n + 9, k)).astype(np.float32)  # keys, values: rows of a longer cache
+        keys, values = cache[0, :n], cache[1, :n]
+        scores = np.zeros((m, n), np.float32)
+        shim.cblas_sgemm(
+            ROW_MAJOR, NO_TRANS, TRANS, m, n, k, f(gemv.SCORES_ALPHA), ptr(q.ctypes.data), k,
+            ptr(keys.ctypes.data), k, f(0.0), ptr(scores.ctypes.data), n,
+        )  # fmt: skip
+        np.testing.assert_allclose(scores, q.astype(np.float64) @ keys.T, rtol=1e-5, atol=1e-5)
+        scores[:, : n // 3] = np.finfo(np.float32).min  # masked keys weigh nothing
+        out = np.zeros((m, k), np.float32)
+        shim.cblas_sgemm(
+            ROW_MAJOR, NO_TRANS, NO_TRANS, m, k, n, f(gemv.SOFTMAX_ALPHA), ptr(scores.ctypes.data), n,
+            ptr(values.ctypes.data), k, f(0.0), ptr(out.ctypes.data), k,
+        )  # fmt: skip
+        weights = np.exp(scores.astype(np.float64) - scores.max(axis=1, keepdims=True))
+        expected = (weights / weights.sum(axis=1, keepdims=True)) @ values
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5, err_msg=f"{(m, k, n, portable)}")
+    assert shim.mlxpipe_attention_calls() == 16
+
+
 _THROUGH_MLX = """
 import json, numpy as np
 from mlxpipe.cpu import blas

@@ -21,6 +21,7 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <time.h>
+#include <math.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -707,8 +708,259 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
 #endif
 }
 
+/* ---- attention: the scores, then softmax(scores) times the values ------------------------------------- */
+
+/* mlxpipe.cpu.layers.attention asks for its two products by their alpha (no real product scales by -2^99 or
+ * -2^100). SCORES_ALPHA: c = a b^T (a query's scores over the keys), each sum over d in one fixed order, so
+ * a score does not depend on how many keys there are nor where they start (the BLAS's does, in the last
+ * bits: a record's numbers would depend on its batch's left padding). SOFTMAX_ALPHA: c = softmax(a) b, the
+ * softmax along each row of a (masked scores at float32's lowest): mlx's CPU softmax calls a scalar exp
+ * (~20 ns a score), a quarter of a --batch 64 decode step. Computed as mlx's softmax and product compute it:
+ * its exp (Cephes' polynomial, mlx/backend/cpu/simd/math.h), the exps summed in order, each weight times
+ * 1 / sum, then each output summed over the keys in order. */
+#define SCORES_ALPHA (-0x1p99f)
+#define SOFTMAX_ALPHA (-0x1p100f)
+static long attention_calls;
+static int attention_portable; /* 1: the portable loops even where the AVX-512 kernels run (tests) */
+
+long mlxpipe_attention_calls(void) { return attention_calls; }
+void mlxpipe_attention_portable(int on) { attention_portable = on; }
+
+static float exp_scalar(float x) {
+    float y = fminf(fmaxf(x * 1.442695f, -127.0f), 128.0f); /* clamped: no overflow below (mlx's range) */
+    float ip = floorf(y + 0.5f), f = y - ip;
+    float p = 1.535336188319500e-4f;
+    p = fmaf(p, f, 1.339887440266574e-3f);
+    p = fmaf(p, f, 9.618437357674640e-3f);
+    p = fmaf(p, f, 5.550332471162809e-2f);
+    p = fmaf(p, f, 2.402264791363012e-1f);
+    p = fmaf(p, f, 6.931472028550421e-1f);
+    p = fmaf(p, f, 1.0f);
+    union { uint32_t i; float f; } two = {.i = (uint32_t)((int32_t)ip + 127) << 23};
+    if (x != x) return x;
+    if (x > 88.0f) return INFINITY;
+    if (x < -88.0f) return 0.0f;
+    return two.f * p;
+}
+
+static float *attention_scratch(int k) {
+    static __thread float *e;
+    static __thread int cap;
+    if (k > cap) {
+        free(e);
+        cap = k < 1024 ? 1024 : k;
+        e = malloc(sizeof(float) * (size_t)cap);
+        if (!e) cap = 0;
+    }
+    return e;
+}
+
+/* One row's weights: e[j] = exp(a[j] - max(a)) / sum, the sum taken in order as mlx's softmax takes it. */
+static void weights_scalar(const float *a, int k, float *e) {
+    float top = -INFINITY, z = 0.0f;
+    for (int j = 0; j < k; j++) top = a[j] > top ? a[j] : top;
+    for (int j = 0; j < k; j++) z += e[j] = exp_scalar(a[j] - top);
+    float r = 1.0f / z;
+    for (int j = 0; j < k; j++) e[j] *= r;
+}
+
+#ifdef X86_AVX512
+__attribute__((target("avx512f,fma"), always_inline)) static inline __m512 exp16(__m512 x) {
+    __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.442695f)), _mm512_set1_ps(-127.0f)),
+                             _mm512_set1_ps(128.0f));
+    __m512 ip = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(y, ip);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512i two = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(ip), _mm512_set1_epi32(127)), 23);
+    __m512 r = _mm512_mul_ps(_mm512_castsi512_ps(two), p);
+    r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ), r, _mm512_set1_ps(INFINITY));
+    r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.0f), _CMP_NLT_UQ), r);
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, x);
+}
+
+__attribute__((target("avx512f,fma"))) static void weights_avx512(const float *a, int k, float *e) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    int j = 0;
+    for (; j + 16 <= k; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(a + j));
+    float t = _mm512_reduce_max_ps(top);
+    for (; j < k; j++) t = a[j] > t ? a[j] : t;
+    __m512 vt = _mm512_set1_ps(t);
+    for (j = 0; j + 16 <= k; j += 16) _mm512_storeu_ps(e + j, exp16(_mm512_sub_ps(_mm512_loadu_ps(a + j), vt)));
+    if (j < k) {
+        __mmask16 m = (__mmask16)((1u << (k - j)) - 1);
+        _mm512_mask_storeu_ps(e + j, m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, a + j), vt)));
+    }
+    float z = 0.0f;
+    for (j = 0; j < k; j++) z += e[j];
+    __m512 r = _mm512_set1_ps(1.0f / z);
+    for (j = 0; j + 16 <= k; j += 16) _mm512_storeu_ps(e + j, _mm512_mul_ps(_mm512_loadu_ps(e + j), r));
+    for (; j < k; j++) e[j] *= 1.0f / z;
+}
+
+/* c (R x n) = e (R x k) b (k x n), 64 columns at a time, each sum over j in order; R a constant (registers). */
+__attribute__((target("avx512f,fma"), always_inline)) static inline void
+weighted_rows(const int R, int n, int k, const float *e, int lde, const float *b, int ldb, float *c, int ldc) {
+    for (int col = 0; col < n; col += 64) {
+        int w = n - col < 64 ? n - col : 64;
+        __mmask16 mk[4];
+        for (int v = 0; v < 4; v++) {
+            int left = w - 16 * v;
+            mk[v] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        }
+        __m512 acc[4][4];
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();
+        for (int j = 0; j < k; j++) {
+            const float *bj = b + (long)j * ldb + col;
+            __m512 bv[4];
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) bv[v] = _mm512_maskz_loadu_ps(mk[v], bj + 16 * v);
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                __m512 ej = _mm512_set1_ps(e[(long)i * lde + j]);
+#pragma GCC unroll 4
+                for (int v = 0; v < 4; v++) acc[i][v] = _mm512_fmadd_ps(ej, bv[v], acc[i][v]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) _mm512_mask_storeu_ps(c + (long)i * ldc + col + 16 * v, mk[v], acc[i][v]);
+    }
+}
+
+/* c (rows x n) = e (rows x k) b (k x n), rows <= 4. */
+__attribute__((target("avx512f,fma"))) static void weighted_avx512(int rows, int n, int k, const float *e, int lde,
+                                                                   const float *b, int ldb, float *c, int ldc) {
+    switch (rows) {
+    case 4: weighted_rows(4, n, k, e, lde, b, ldb, c, ldc); break;
+    case 3: weighted_rows(3, n, k, e, lde, b, ldb, c, ldc); break;
+    case 2: weighted_rows(2, n, k, e, lde, b, ldb, c, ldc); break;
+    default: weighted_rows(1, n, k, e, lde, b, ldb, c, ldc); break;
+    }
+}
+#endif
+
+#ifdef X86_AVX512
+/* Eight vectors' sums in the low half of one, each by the same tree of additions; lane j holds the sum
+ * of v[j] (the tree leaves key j in lane SUMS8_ORDER[j]). */
+static const int32_t SUMS8_ORDER[16] = {0, 1, 8, 9, 4, 5, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0};
+__attribute__((target("avx512f"), always_inline)) static inline __m512 sums8(__m512 *v) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) /* 256-bit halves: v[i] and v[i + 4] share a vector */
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 4], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 4], 0xEE));
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++) /* 128-bit quarters */
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 2], 0x88), _mm512_shuffle_f32x4(v[i], v[i + 2], 0xDD));
+    __m512d x = _mm512_castps_pd(v[0]), y = _mm512_castps_pd(v[1]); /* pairs of lanes */
+    __m512 p = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    __m512 lanes = _mm512_add_ps(_mm512_shuffle_ps(p, p, 0x88), _mm512_shuffle_ps(p, p, 0xDD)); /* single lanes */
+    return _mm512_permutexvar_ps(_mm512_loadu_si512(SUMS8_ORDER), lanes);
+}
+
+/* s[r][0..count) = a row r . b rows 0..count (ldb apart), R <= 3 rows and 8 keys; every sum alike. */
+__attribute__((target("avx512f,fma"), always_inline)) static inline void
+scores8(const int R, const float *a, int lda, int k, const float *b, int ldb, float *s, int lds, int count) {
+    __m512 acc[3][8];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int d = 0; d < k; d += 16) {
+        __mmask16 mk = k - d >= 16 ? 0xFFFF : (__mmask16)((1u << (k - d)) - 1);
+        __m512 av[3];
+#pragma GCC unroll 3
+        for (int r = 0; r < R; r++) av[r] = _mm512_maskz_loadu_ps(mk, a + (long)r * lda + d);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m512 bv = _mm512_maskz_loadu_ps(j < count ? mk : 0, b + (long)j * ldb + d);
+#pragma GCC unroll 3
+            for (int r = 0; r < R; r++) acc[r][j] = _mm512_fmadd_ps(av[r], bv, acc[r][j]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(s + (long)r * lds, (__mmask16)((1u << count) - 1), sums8(acc[r]));
+}
+
+/* c (m x n) = a (m x k) b^T, b n x k: three rows and eight keys at a time, each score's sum alike. */
+__attribute__((target("avx512f,fma"))) static void scores_avx512(int m, int n, int k, const float *a, int lda,
+                                                                 const float *b, int ldb, float *c, int ldc) {
+    for (int i = 0; i < m; i += 3)
+        for (int j = 0; j < n; j += 8) {
+            const float *ai = a + (long)i * lda, *bj = b + (long)j * ldb;
+            float *cij = c + (long)i * ldc + j;
+            int count = n - j < 8 ? n - j : 8;
+            if (m - i >= 3) scores8(3, ai, lda, k, bj, ldb, cij, ldc, count);
+            else if (m - i == 2) scores8(2, ai, lda, k, bj, ldb, cij, ldc, count);
+            else scores8(1, ai, lda, k, bj, ldb, cij, ldc, count);
+        }
+}
+#endif
+
+/* c = a b^T for row-major a (m x k), b (n x k), c (m x n). */
+static void attention_scores(int m, int n, int k, const float *a, int lda, const float *b, int ldb, float *c,
+                             int ldc) {
+#ifdef X86_AVX512
+    if (!attention_portable && mlxpipe_qgemv_available()) {
+        scores_avx512(m, n, k, a, lda, b, ldb, c, ldc);
+        attention_calls++;
+        return;
+    }
+#endif
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            float s = 0.0f;
+            for (int d = 0; d < k; d++) s = fmaf(a[(long)i * lda + d], b[(long)j * ldb + d], s);
+            c[(long)i * ldc + j] = s;
+        }
+    attention_calls++;
+}
+
+/* c = softmax(a) b for row-major a (m x k), b (k x n), c (m x n); 0 when it cannot (no memory). */
+static int attention_product(int m, int n, int k, const float *a, int lda, const float *b, int ldb, float *c,
+                             int ldc) {
+    float *e = attention_scratch(4 * k);
+    if (!e) return 0;
+#ifdef X86_AVX512
+    if (!attention_portable && mlxpipe_qgemv_available()) {
+        for (int i = 0; i < m; i += 4) {
+            int rows = m - i < 4 ? m - i : 4;
+            for (int r = 0; r < rows; r++) weights_avx512(a + (long)(i + r) * lda, k, e + (long)r * k);
+            weighted_avx512(rows, n, k, e, k, b, ldb, c + (long)i * ldc, ldc);
+        }
+        attention_calls++;
+        return 1;
+    }
+#endif
+    for (int i = 0; i < m; i++) {
+        weights_scalar(a + (long)i * lda, k, e);
+        for (int col = 0; col < n; col++) {
+            float s = 0.0f;
+            for (int j = 0; j < k; j++) s = fmaf(e[j], b[(long)j * ldb + col], s);
+            c[(long)i * ldc + col] = s;
+        }
+    }
+    attention_calls++;
+    return 1;
+}
+
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
                  const float *b, int ldb, float beta, float *c, int ldc) {
+    if (alpha == SCORES_ALPHA && order == ROW_MAJOR && ta == NO_TRANS && tb == TRANS && beta == 0.0f) {
+        attention_scores(m, n, k, a, lda, b, ldb, c, ldc);
+        return;
+    }
+    if (alpha == SOFTMAX_ALPHA && order == ROW_MAJOR && ta == NO_TRANS && tb == NO_TRANS && beta == 0.0f &&
+        attention_product(m, n, k, a, lda, b, ldb, c, ldc))
+        return;
     if (order == COL_MAJOR) { /* column-major C = op(A) op(B) is row-major C^T = op(B)^T op(A)^T */
         int t = ta; ta = tb; tb = t;
         t = m; m = n; n = t;

@@ -43,8 +43,12 @@ __all__ = [
     "MAX_ROWS",
     "NO_COMPILER",
     "QGEMM_ENV",
+    "SCORES_ALPHA",
+    "SOFTMAX_ALPHA",
     "attach",
     "attached",
+    "attention_available",
+    "attention_calls",
     "detach",
     "install",
     "quantized_available",
@@ -59,6 +63,10 @@ QGEMM_ENV = "MLXPIPE_QGEMM"
 AMX_ENV = "MLXPIPE_AMX"
 AMX_ROWS = 16  # fewer rows than this: the AVX-512 kernels were faster (bench/RESULTS.md, issue 19)
 NO_COMPILER = "no C compiler (cc) found"
+# Products whose alpha is one of these compute attention's parts instead (gemv.c, cpu.layers.attention):
+# a @ b.T with each score summed in one order, and softmax(a) @ b.
+SCORES_ALPHA = -(2.0**99)
+SOFTMAX_ALPHA = -(2.0**100)
 MAX_ROWS = 1 << 30  # every product by an attached matrix: a row's sums never depend on the batch or prompt
 _SOURCE = Path(__file__).with_name("gemv.c")
 _shim: Any = None  # the library in front of the BLAS, once installed
@@ -121,7 +129,7 @@ def _built() -> str:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".gemv-", suffix=".so")
     os.close(fd)
     try:
-        cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE)]
+        cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
         if done.returncode != 0:
             lines = done.stderr.strip().splitlines()
@@ -223,6 +231,22 @@ def use_amx(rows: int) -> bool:
     """Send products of at least ``rows`` rows by attached matrices to AMX (0: never); whether the CPU (and
     the kernel) let this process use it."""
     return _shim is not None and bool(_shim.mlxpipe_qgemm_amx(rows))
+
+
+def attention_available() -> bool:
+    """Whether mlx's products go through the library on a CPU with its AVX-512 kernels, so that one whose
+    alpha is :data:`SCORES_ALPHA` computes ``a @ b.T`` (each sum in one order: attention's scores) and one
+    whose alpha is :data:`SOFTMAX_ALPHA` computes ``softmax(a) @ b`` (its weights times the values);
+    float32. (Elsewhere its portable loops would be slower than mx.fast's fallback.)"""
+    return quantized_available()
+
+
+def attention_calls() -> int:
+    """Products computed as attention's scores or ``softmax(a) @ b`` so far in this process."""
+    if _shim is None:
+        return 0
+    _shim.mlxpipe_attention_calls.restype = ctypes.c_long
+    return int(_shim.mlxpipe_attention_calls())
 
 
 def quantized_batch_calls() -> int:

@@ -7,6 +7,9 @@ instances for the subclasses below; nothing else changes (weights, parameters, t
 The MLP's SwiGLU is the one swap that is not bit for bit: mlx's CPU ``exp`` (inside its sigmoid) costs
 ~9 ns a value, a quarter of a ``--batch 128`` decode step; a rational approximation, within float32
 rounding of exact maths (2.5e-7, mlx's own 1.4e-7), takes less than half the time.
+Attention (mlx-lm's Llama ``Attention``, registered by the engine) computes its scores and its softmax times
+the values in gemv.c's kernels instead of mx.fast's CPU fallback, whose scalar exp cost a quarter of a
+``--batch 64`` step; each score summed in one order, so a record's numbers do not depend on its batch.
 Decoder layers hand their output to mlx as soon as Python has built it (``eval_per_layer``): mlx computes
 layer i while Python builds layer i + 1, where one evaluation per token left the CPU idle while Python built
 the whole step (numbers unchanged, only when they are computed).
@@ -28,9 +31,10 @@ from mlx.nn.layers.normalization import RMSNorm
 from mlx.nn.layers.positional_encoding import RoPE
 
 from ..switches import turned_off
+from . import gemv
 
 ENV = "MLXPIPE_CPU_FAST"
-KINDS = ("rms_norm", "rope", "swiglu", "eval_per_layer")
+KINDS = ("rms_norm", "rope", "swiglu", "attention", "eval_per_layer")
 
 # How often mx.compile traced each fast path (it retraces on new shapes only, never per position).
 traces: Counter[str] = Counter()
@@ -82,6 +86,7 @@ class _Angles:
         self.sign = mx.array([-1.0 if f else 1.0 for f in first], dtype=mx.float32)
         self.cos = self.sin = mx.zeros((0, dims), dtype=mx.float32)
         self.last: tuple[int, int, mx.array, mx.array] | None = None
+        self.last_rows: tuple[mx.array, tuple[int, int], mx.array, mx.array] | None = None
 
     def spread(self, positions: mx.array) -> tuple[mx.array, mx.array]:
         """cos and sin laid out for :func:`_rotate` at ``positions`` (float32; adds a last axis)."""
@@ -89,13 +94,30 @@ class _Angles:
         theta = mx.take(theta, self.order, axis=-1)
         return mx.cos(theta), mx.sin(theta) * self.sign
 
+    def grow(self, bound: int) -> None:
+        """Make the table hold positions 0 to ``bound`` - 1."""
+        if bound > self.cos.shape[0]:
+            size = max(2 * self.cos.shape[0], bound, 256)
+            self.cos, self.sin = self.spread(mx.arange(size, dtype=mx.float32))
+
+    def rows(self, offsets: mx.array, count: int, bound: int, ndim: int) -> tuple[mx.array, mx.array]:
+        """Rows ``offsets[b]`` to ``offsets[b] + count`` of the table for each b (positions below ``bound``;
+        negative ones read row 0), shaped for ``ndim``-dimensional inputs; the last result again for the same
+        offsets array (a layer's queries, then its keys)."""
+        if self.last_rows is not None and self.last_rows[0] is offsets and self.last_rows[1] == (count, ndim):
+            return self.last_rows[2], self.last_rows[3]
+        self.grow(bound)
+        rows = mx.maximum(offsets.reshape(-1, 1) + mx.arange(count), 0)
+        shape = (-1,) + (1,) * (ndim - 3) + (count, self.cos.shape[-1])
+        cos, sin = (mx.take(table, rows, axis=0).reshape(shape) for table in (self.cos, self.sin))
+        self.last_rows = (offsets, (count, ndim), cos, sin)  # holds the offsets: their id stays theirs
+        return cos, sin
+
     def at(self, offset: int, count: int) -> tuple[mx.array, mx.array]:
         """Rows ``offset`` to ``offset + count`` of the table, growing it when they are new."""
         if self.last is not None and self.last[:2] == (offset, count):
             return self.last[2], self.last[3]
-        if offset + count > self.cos.shape[0]:
-            size = max(2 * self.cos.shape[0], offset + count, 256)
-            self.cos, self.sin = self.spread(mx.arange(size, dtype=mx.float32))
+        self.grow(offset + count)
         cos, sin = self.cos[offset : offset + count], self.sin[offset : offset + count]
         self.last = (offset, count, cos, sin)
         return cos, sin
@@ -123,14 +145,18 @@ class FastRoPE(RoPE):
     ``mx.fast.rope``'s composition (eighteen operations a call on a CPU).
 
     An integer offset (one stream's KV cache) reads the table; an array offset (mlx-lm's ``BatchKVCache``:
-    one per row) computes its angles. No retrace per position either way.
+    one per row) gathers its rows from it when ``bound`` says that no position reaches it (negative ones,
+    left padding that no query sees, read row 0), else computes its angles. The same numbers either way, and
+    no retrace per position.
     """
 
-    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: Any = 0, bound: int | None = None) -> mx.array:
         angles = _angles(self.dims, self.traditional, self.base, self.scale)
         t = x.shape[-2]
         if isinstance(offset, int):
             cos, sin = angles.at(offset, t)
+        elif bound is not None:  # a gather instead of 2 x B x dims cos and sin (~20 ns each on a CPU)
+            cos, sin = angles.rows(offset, t, bound, x.ndim)
         else:  # positions (B or 1, 1, …, T): one offset per row, or one for all
             pos = offset.astype(mx.float32).reshape((-1,) + (1,) * (x.ndim - 2))
             cos, sin = angles.spread(pos + mx.arange(t, dtype=mx.float32))
@@ -163,6 +189,42 @@ def _swiglu_fast(gate: mx.array, x: mx.array) -> mx.array:
 swiglu = mx.compile(_swiglu_fast)
 
 
+_LOWEST = float(mx.finfo(mx.float32).min)  # mx.fast's masked score (a row masked whole weighs all alike)
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)`` in float32 on a
+    CPU where :func:`mlxpipe.cpu.gemv.attention_available`.
+
+    Shapes ``[B, heads, L, D]``, keys and values ``[B, kv_heads, S, D]``; ``mask`` None, ``"causal"`` or an
+    array (boolean: where to attend; else added to the scores) broadcastable to ``[B, heads, L, S]``.
+    mx.fast's CPU fallback makes a product per query head and calls a scalar exp per score; here the query
+    heads of a key head make one product for the scores, and the softmax and the product by the values
+    another: gemv.c's kernels, asked for by the products' alpha, once per record and key head. A record's
+    numbers depend neither on its batch nor on its left padding; within float32 rounding of mx.fast.
+    """
+    b, heads, length, dim = queries.shape
+    kv_heads, positions = keys.shape[1], keys.shape[2]
+    rep = heads // kv_heads
+    q = (queries * scale).reshape(b, kv_heads, rep * length, dim)
+    scores = mx.addmm(_ZERO, q, keys.swapaxes(-1, -2), alpha=gemv.SCORES_ALPHA, beta=0.0)  # [B, kv, rep L, S]
+    if isinstance(mask, str):  # "causal": the queries are the last `length` positions
+        mask = mx.arange(positions - length, positions)[:, None] >= mx.arange(positions)[None]
+    if mask is not None:
+        if mask.ndim >= 3 and mask.shape[-3] == heads:
+            mask = mask.reshape(*mask.shape[:-3], kv_heads, rep, *mask.shape[-2:])
+        elif mask.ndim >= 3:
+            mask = mx.expand_dims(mask, -3)
+        s5 = scores.reshape(b, kv_heads, rep, length, positions)
+        s5 = mx.where(mask, s5, _LOWEST) if mask.dtype == mx.bool_ else s5 + mask.astype(mx.float32)
+        scores = s5.reshape(b, kv_heads, rep * length, positions)
+    out = mx.addmm(_ZERO, scores, values, alpha=gemv.SOFTMAX_ALPHA, beta=0.0)
+    return out.reshape(b, heads, length, dim)
+
+
+_ZERO = mx.zeros((1,), dtype=mx.float32)
+
+
 def _subclass(base: type, prefix: str, call: Callable[..., Any], doc: str) -> type:
     """``base`` with another ``__call__``; ``_plain`` remembers ``base`` for :func:`revert`."""
     return type(f"{prefix}{base.__name__}", (base,), {"__call__": call, "__doc__": doc, "_plain": base})
@@ -174,6 +236,35 @@ def _fast_mlp(base: type) -> type:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
     return _subclass(base, "Fast", __call__, f"{base.__name__} with the fast SwiGLU.")
+
+
+@cache
+def _fast_attention(base: type) -> type:
+    def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> Any:
+        if (cache is not None and hasattr(cache, "bits")) or x.dtype != mx.float32:
+            return base.__call__(self, x, mask, cache)  # a quantized KV cache, or not float32: mlx-lm's own
+        # mlx-lm's Llama Attention.__call__, with :func:`attention` for mx.fast's.
+        b, length, _ = x.shape
+        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        queries = queries.reshape(b, length, self.n_heads, -1).transpose(0, 2, 1, 3)
+        keys = keys.reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        values = values.reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if cache is not None:
+            # BatchKVCache: no row's position reaches its buffer's count plus these (FastRoPE's gather).
+            idx = getattr(cache, "_idx", None)
+            if isinstance(self.rope, FastRoPE) and isinstance(idx, int) and not isinstance(cache.offset, int):
+                queries = self.rope(queries, cache.offset, bound=idx + length)
+                keys = self.rope(keys, cache.offset, bound=idx + length)
+            else:
+                queries = self.rope(queries, offset=cache.offset)
+                keys = self.rope(keys, offset=cache.offset)
+            keys, values = cache.update_and_fetch(keys, values)
+        else:
+            queries, keys = self.rope(queries), self.rope(keys)
+        out = attention(queries, keys, values, self.scale, mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+    return _subclass(base, "Fast", __call__, f"{base.__name__} with the CPU's attention.")
 
 
 @cache
@@ -191,14 +282,19 @@ def _eval_ahead(base: type) -> type:
 # Decoder layer classes that return their output as arrays: filled by the engine, as SWIGLU_MLPS below.
 DECODER_LAYERS: set[type] = set()
 
+# Attention classes whose __call__ is mlx-lm's Llama Attention's (projections, RoPE at the cache's offset, the
+# cache's update, mx.fast's attention, o_proj): filled by the engine.
+ATTENTIONS: set[type] = set()
+
 # MLP classes whose __call__ is down_proj(swiglu(gate_proj(x), up_proj(x))): filled by the engine, which knows
 # mlx-lm's model code (this module does not import it).
 SWIGLU_MLPS: set[type] = set()
 
 
 def apply(model: Any, kinds: Iterable[str] = KINDS) -> list[str]:
-    """Swap ``model``'s exact ``nn.RMSNorm`` and ``nn.RoPE`` instances, the MLPs of :data:`SWIGLU_MLPS` and
-    the layers of :data:`DECODER_LAYERS`, in place; the kinds swapped, sorted.
+    """Swap ``model``'s exact ``nn.RMSNorm`` and ``nn.RoPE`` instances, the MLPs of :data:`SWIGLU_MLPS`, the
+    attentions of :data:`ATTENTIONS` (where gemv.c's AVX-512 kernels run) and the layers of
+    :data:`DECODER_LAYERS`, in place; the kinds swapped, sorted.
 
     ``kinds``: which of :data:`KINDS` to swap.
 
@@ -210,6 +306,10 @@ def apply(model: Any, kinds: Iterable[str] = KINDS) -> list[str]:
         if type(module) in SWIGLU_MLPS and "swiglu" in wanted:
             module.__class__ = _fast_mlp(type(module))  # type: ignore[arg-type]  # same parameters, new __call__
             swapped.add("swiglu")
+            continue
+        if type(module) in ATTENTIONS and "attention" in wanted and gemv.attention_available():
+            module.__class__ = _fast_attention(type(module))  # type: ignore[arg-type]
+            swapped.add("attention")
             continue
         if type(module) in DECODER_LAYERS and "eval_per_layer" in wanted:
             module.__class__ = _eval_ahead(type(module))  # type: ignore[arg-type]
@@ -231,7 +331,7 @@ def apply(model: Any, kinds: Iterable[str] = KINDS) -> list[str]:
 
 
 def revert(model: Any) -> None:
-    """Undo :func:`apply`: put plain ``nn.RMSNorm``, ``nn.RoPE``, MLPs and layers back (side-by-side runs)."""
+    """Undo :func:`apply`: put the plain norms, RoPEs, MLPs, attentions and layers back (side by side)."""
     for name, module in list(model.named_modules()):
         if plain := type(module).__dict__.get("_plain"):
             module.__class__ = plain

@@ -36,10 +36,11 @@ from .prompts import Prompts
 
 __all__ = ["Engine"]
 
-# mlx-lm's Llama MLP (SmolLM2's, among others) computes down_proj(swiglu(gate_proj(x), up_proj(x))), and its
-# decoder layer returns one array.
+# mlx-lm's Llama MLP (SmolLM2's, among others) computes down_proj(swiglu(gate_proj(x), up_proj(x))), its
+# decoder layer returns one array, and its attention is the one mlxpipe.cpu.layers reproduces.
 layers.SWIGLU_MLPS.add(llama.MLP)
 layers.DECODER_LAYERS.add(llama.TransformerBlock)
+layers.ATTENTIONS.add(llama.Attention)
 
 # Prompt tokens per forward pass. mlx has no CPU attention kernel: its fallback scores every query-key pair of
 # a chunk, masked ones too, so on a CPU prompts are read in smaller chunks than mlx-lm's default (which stands
