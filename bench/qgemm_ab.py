@@ -46,6 +46,10 @@ def build(source: bytes, folder: str, name: str) -> Any:
     return shim
 
 
+def ms(times: list[float]) -> str:
+    return f"{min(times) * 1e3:.1f} / {statistics.median(times) * 1e3:.1f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", default="main", help="git revision of the build to compare against")
@@ -60,17 +64,20 @@ def main() -> None:
     ).stdout
     after = (REPO / "mlxpipe/cpu/gemv.c").read_bytes()
     engine = Engine.load()  # kept: its matrices stay attached while it lives
-    entries = [(np.asarray(w), np.asarray(q), np.asarray(s), np.asarray(b), bits, g) for w, q, s, b, bits, g in
-               gemv._attached.values()]  # fmt: skip
+    entries = [
+        (np.asarray(w), np.asarray(q), np.asarray(s), np.asarray(b), bits, g)
+        for w, q, s, b, bits, g in gemv._attached.values()
+    ]
     with tempfile.TemporaryDirectory() as folder:
         shims = {"before": build(before, folder, "before"), "after": build(after, folder, "after")}
         p, f = ctypes.c_void_p, ctypes.c_float
         for shim in shims.values():
             shim.mlxpipe_qgemm_threads(args.threads)
             for w, q, s, b, bits, g in entries:
-                assert shim.mlxpipe_qgemv_register(p(w.ctypes.data), *w.shape, bits, g, p(q.ctypes.data),
-                                                   p(s.ctypes.data), p(b.ctypes.data))  # fmt: skip
-        print(f"load average before: {os.getloadavg()[0]:.2f}; {len(entries)} matrices; threads {args.threads}")
+                addresses = (p(q.ctypes.data), p(s.ctypes.data), p(b.ctypes.data))
+                assert shim.mlxpipe_qgemv_register(p(w.ctypes.data), *w.shape, bits, g, *addresses)
+        load = os.getloadavg()[0]
+        print(f"load average before: {load:.2f}; {len(entries)} matrices; threads {args.threads}")
         print("| B | build | wall ms min / median | CPU ms min / median | CPU ms by kind (min) |")
         print("|---|---|---|---|---|")
         for b in [int(x) for x in args.batch.split(",")]:
@@ -88,8 +95,10 @@ def main() -> None:
                         for (w, _q, _s, _b, bits, _g), c in zip(entries, out[name], strict=True):
                             t = time.thread_time()
                             n, k = w.shape
-                            shim.cblas_sgemm(101, 111, 112, b, n, k, f(1.0), p(xs[k].ctypes.data), k,
-                                             p(w.ctypes.data), k, f(0.0), p(c.ctypes.data), n)  # fmt: skip
+                            shim.cblas_sgemm(
+                                101, 111, 112, b, n, k, f(1.0), p(xs[k].ctypes.data), k, p(w.ctypes.data), k,
+                                f(0.0), p(c.ctypes.data), n,
+                            )  # fmt: skip
                             kind = f"{n}x{k}/{bits}"
                             per[kind] = per.get(kind, 0.0) + time.thread_time() - t
                         wall[name].append(time.perf_counter() - w0)
@@ -98,11 +107,7 @@ def main() -> None:
                             kinds[name][kind] = min(kinds[name].get(kind, 1e9), t)
             for name in shims:
                 by_kind = ", ".join(f"{kind} {t * 1e3:.1f}" for kind, t in kinds[name].items())
-                print(
-                    f"| {b} | {name} | {min(wall[name]) * 1e3:.1f} / {statistics.median(wall[name]) * 1e3:.1f} | "
-                    f"{min(cpu[name]) * 1e3:.1f} / {statistics.median(cpu[name]) * 1e3:.1f} | {by_kind} |",
-                    flush=True,
-                )
+                print(f"| {b} | {name} | {ms(wall[name])} | {ms(cpu[name])} | {by_kind} |", flush=True)
             diff = err_before = err_after = 0.0
             for (w, *_), c0, c1 in zip(entries, out["before"], out["after"], strict=True):
                 want = xs[w.shape[1]].astype(np.float64) @ w.T.astype(np.float64)
@@ -110,8 +115,10 @@ def main() -> None:
                 diff = max(diff, float(np.abs(c1 - c0).max()) / top)
                 err_before = max(err_before, float(np.abs(c0 - want).max()) / top)
                 err_after = max(err_after, float(np.abs(c1 - want).max()) / top)
-            print(f"| {b} | largest difference, of the largest value: between builds {diff:.1e}, from float64: "
-                  f"before {err_before:.1e}, after {err_after:.1e} ||||")  # fmt: skip
+            print(
+                f"| {b} | largest difference, of the largest value: between builds {diff:.1e}, "
+                f"from float64: before {err_before:.1e}, after {err_after:.1e} ||||"
+            )
         print(f"load average after: {os.getloadavg()[0]:.2f}; {engine.quantized_rows} attached")
 
 

@@ -319,9 +319,6 @@ int mlxpipe_qgemm_amx(int rows) {
 }
 
 enum { TILE = 1024 }; /* bytes of one tile: 16 rows of 64 */
-#ifndef PASS_HINT
-#define PASS_HINT _MM_HINT_T0
-#endif
 
 /* r[n][i] -> r[i][n], 16 x 16 floats (or any 32-bit values) in registers */
 __attribute__((target("avx512f"), always_inline)) static inline void transpose16(__m512 *r) {
@@ -385,13 +382,14 @@ amx_pack(const qmat *m, int M, const float *a, int lda, uint8_t *xt, float *xs, 
                 }
             }
             /* a tile's row p holds pair p of each of the 16 rows (AMX's layout for its second operand): the
-             * 16 x 16 pairs transposed in registers (16 gathers a part took 5-7% of a 64-row product) */
+             * 16 x 16 pairs transposed in registers (in place of 16 gathers a part: 2-3% off a 64-row product) */
             uint8_t *tiles = xt + ((long)g * blocks + ib) * 3 * TILE;
             for (int part = 0; part < 3; part++) {
                 __m512 r[16];
-                _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps((const float *)rows[part] + i * 16);
+                float *tile = (float *)(tiles + part * TILE);
+                _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps((float *)rows[part] + i * 16);
                 transpose16(r);
-                _Pragma("GCC unroll 16") for (int p = 0; p < 16; p++) _mm512_store_ps((float *)(tiles + part * TILE) + p * 16, r[p]);
+                _Pragma("GCC unroll 16") for (int p = 0; p < 16; p++) _mm512_store_ps(tile + p * 16, r[p]);
             }
         }
 }
@@ -418,22 +416,27 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,fma"))) static void amx_decod
     for (int n = 0; n < 16; n++) {
         const uint8_t *q = m->q + (long)(nb + n) * stride;
         __m512i *row = (__m512i *)wt + n;
-        if (nb + 16 + n < m->n) {
-            for (long at = 0; at < stride; at += 64) _mm_prefetch((const char *)q + 16 * stride + at, PASS_HINT);
-            const float *next = m->scales + (long)(nb + 16 + n) * groups, *next_b = m->biases + (long)(nb + 16 + n) * groups;
-            for (int at = 0; at < groups; at += 16) _mm_prefetch((const char *)(next + at), PASS_HINT), _mm_prefetch((const char *)(next_b + at), PASS_HINT);
+        if (nb + 16 + n < m->n) { /* the same row of the next pass: fetched meanwhile (~5% at 16 rows of A) */
+            for (long at = 0; at < stride; at += 64) _mm_prefetch((const char *)q + 16 * stride + at, _MM_HINT_T0);
+            long next = (long)(nb + 16 + n) * groups;
+            for (int at = 0; at < groups; at += 16) {
+                _mm_prefetch((const char *)(m->scales + next + at), _MM_HINT_T0);
+                _mm_prefetch((const char *)(m->biases + next + at), _MM_HINT_T0);
+            }
         }
         if (n >= valid)
             for (int g = 0; g < groups; g++) _mm512_store_si512(row + g * 16, _mm512_setzero_si512());
         else if (m->bits == 4)
             for (int g = 0; g < groups; g++) {
-                __m512i b = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + g * 16))));
+                __m128i bytes = _mm_loadu_si128((const __m128i *)(q + g * 16));
+                __m512i b = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes));
                 _mm512_store_si512(row + g * 16, _mm512_permutexvar_epi16(_mm512_srlv_epi16(b, shifts), table));
             }
         else
             for (int g = 0; g < groups; g++) {
-                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32))));
-                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + 16))));
+                const __m128i *at = (const __m128i *)(q + g * 32);
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(at)));
+                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(at + 1)));
                 _mm512_store_si512(row + g * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
             }
     }
@@ -442,8 +445,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,fma"))) static void amx_decod
 /* acc (16 rows of W, each a register of 16 rows of A) += scale * dots + bias * sums, for one group */
 __attribute__((target("avx512f,fma"), always_inline)) static inline void
 amx_scale(__m512 *acc, const float *dots, const float *s, const float *b, __m512 sums) {
-    _Pragma("GCC unroll 16") for (int n = 0; n < 16; n++) acc[n] =
-        _mm512_fmadd_ps(sums, _mm512_set1_ps(b[n]), _mm512_fmadd_ps(_mm512_load_ps(dots + n * 16), _mm512_set1_ps(s[n]), acc[n]));
+    _Pragma("GCC unroll 16") for (int n = 0; n < 16; n++) {
+        __m512 v = _mm512_fmadd_ps(_mm512_load_ps(dots + n * 16), _mm512_set1_ps(s[n]), acc[n]);
+        acc[n] = _mm512_fmadd_ps(sums, _mm512_set1_ps(b[n]), v);
+    }
 }
 
 /* The pass's scales and biases, 16 a group (rows past `valid` repeat the last one's: their sums are never
