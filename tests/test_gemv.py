@@ -371,7 +371,9 @@ def test_amx_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -
         return c[:, :n]
 
     # Whole and partial tiles of 16 rows of W; 4 and 8 bits; the helper thread or not; 300 rows: two passes.
+    # Odd counts of groups (17, 3) by odd counts of 16-row passes: an odd count of tile products a block.
     shapes = [(1536, 576, 4), (193, 576, 4), (576, 1536, 4), (4096, 576, 8), (97, 512, 8)]
+    shapes += [(48, 544, 4), (16, 96, 8)]
     for (n, k, bits), threads in itertools.product(shapes, [1, 2]):
         shim.mlxpipe_qgemm_threads(threads)
         w, packed, scales, biases = _quantized(rng, n, k, bits)

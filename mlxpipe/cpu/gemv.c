@@ -321,6 +321,33 @@ int mlxpipe_qgemm_amx(int rows) {
 
 enum { TILE = 1024 }; /* bytes of one tile: 16 rows of 64 */
 
+/* r[n][i] -> r[i][n], 16 x 16 floats (or any 32-bit values) in registers */
+__attribute__((target("avx512f"), always_inline)) static inline void transpose16(__m512 *r) {
+    __m512 t[16];
+    _Pragma("GCC unroll 8") for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < 16; i += 4) {
+        __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]), c = _mm512_castps_pd(t[i + 2]),
+                d = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
 /* A's rows, once a product, as AMX's second operand: per group g and block of 16 rows, three 16x16 tiles
  * of dword pairs (hi, mid, lo; pair p of a row = its values 2p, 2p + 1 in the group's order, the 4-bit
  * layout's low nibbles then high ones), then the rows' group sums (16 floats). Rows past M are zeros. */
@@ -329,8 +356,6 @@ amx_pack(const qmat *m, int M, const float *a, int lda, uint8_t *xt, float *xs, 
     int groups = m->k / 32;
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    const __m512i gather = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(16));
     uint32_t rows[3][256] __attribute__((aligned(64))); /* [part][row i][pair p] */
     for (int ib = 0; ib < blocks; ib++)
         for (int g = 0; g < groups; g++) {
@@ -357,13 +382,16 @@ amx_pack(const qmat *m, int M, const float *a, int lda, uint8_t *xt, float *xs, 
                     v0 = _mm512_sub_ps(v0, h0), v1 = _mm512_sub_ps(v1, h1);
                 }
             }
-            /* a tile's row p holds pair p of each of the 16 rows (AMX's layout for its second operand) */
+            /* a tile's row p holds pair p of each of the 16 rows (AMX's layout for its second operand): the
+             * 16 x 16 pairs transposed in registers (in place of 16 gathers a part: 2-3% off a 64-row product) */
             uint8_t *tiles = xt + ((long)g * blocks + ib) * 3 * TILE;
-            for (int part = 0; part < 3; part++)
-                for (int p = 0; p < 16; p++)
-                    _mm512_store_si512((__m512i *)(tiles + part * TILE) + p,
-                                       _mm512_i32gather_epi32(_mm512_add_epi32(gather, _mm512_set1_epi32(p)),
-                                                              rows[part], 4));
+            for (int part = 0; part < 3; part++) {
+                __m512 r[16];
+                float *tile = (float *)(tiles + part * TILE);
+                _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps((float *)rows[part] + i * 16);
+                transpose16(r);
+                _Pragma("GCC unroll 16") for (int p = 0; p < 16; p++) _mm512_store_ps(tile + p * 16, r[p]);
+            }
         }
 }
 
@@ -373,87 +401,161 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg_t;
 
-/* 16 rows of W from nb (rows past `valid` zeros), group g, as bfloat16 q (exact) in a tile's 16 rows of 32:
- * 4 bits as the low nibbles, then the high ones (amx_pack orders x alike). */
-__attribute__((target("avx512f,avx512bw,avx512bf16,fma"), always_inline)) static inline void
-amx_decode(const qmat *m, long stride, int nb, int valid, int g, uint16_t *wt) {
+/* Rows [nb, nb + valid) of W, every group, as bfloat16 q (exact) in tiles of 16 rows of 32, wt + g * 512 for
+ * group g (rows past `valid` zeros; 4 bits as the group's low nibbles, then its high ones: amx_pack orders x
+ * alike). Decoded for a whole pass of rows before the tiles read it (a tile loaded right after the stores
+ * that wrote it waited for them), while the next pass's bytes, scales and biases are fetched. */
+__attribute__((target("avx512f,avx512bw,avx512bf16,fma"))) static void amx_decode(const qmat *m, int nb, int valid,
+                                                                                   uint16_t *wt) {
+    int k = m->k, groups = k / 32;
+    long stride = (long)k * m->bits / 8;
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    /* a group's 16 bytes twice as words, the second copy shifted down 4: its low nibbles, then its high
+     * ones; vpermw reads the low 5 bits of each, so the table holds bf16(i & 15) twice */
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(iota, iota);
+    const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     for (int n = 0; n < 16; n++) {
-        __m512 lo = _mm512_setzero_ps(), hi = lo;
-        if (n < valid) {
-            const uint8_t *q = m->q + (nb + n) * stride;
-            if (m->bits == 4) {
-                __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 16)));
-                lo = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(15)));
-                hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
-            } else {
-                lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32))));
-                hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + 16))));
+        const uint8_t *q = m->q + (long)(nb + n) * stride;
+        __m512i *row = (__m512i *)wt + n;
+        if (nb + 16 + n < m->n) { /* the same row of the next pass: fetched meanwhile (~5% at 16 rows of A) */
+            for (long at = 0; at < stride; at += 64) _mm_prefetch((const char *)q + 16 * stride + at, _MM_HINT_T0);
+            long next = (long)(nb + 16 + n) * groups;
+            for (int at = 0; at < groups; at += 16) {
+                _mm_prefetch((const char *)(m->scales + next + at), _MM_HINT_T0);
+                _mm_prefetch((const char *)(m->biases + next + at), _MM_HINT_T0);
             }
         }
-        _mm512_store_si512((__m512i *)wt + n, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        if (n >= valid)
+            for (int g = 0; g < groups; g++) _mm512_store_si512(row + g * 16, _mm512_setzero_si512());
+        else if (m->bits == 4)
+            for (int g = 0; g < groups; g++) {
+                __m128i bytes = _mm_loadu_si128((const __m128i *)(q + g * 16));
+                __m512i b = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes));
+                _mm512_store_si512(row + g * 16, _mm512_permutexvar_epi16(_mm512_srlv_epi16(b, shifts), table));
+            }
+        else
+            for (int g = 0; g < groups; g++) {
+                const __m128i *at = (const __m128i *)(q + g * 32);
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(at)));
+                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(at + 1)));
+                _mm512_store_si512(row + g * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
     }
 }
 
-/* acc (16 rows of W x 16 of A) += scale * dots + bias * sums for the rows of W from nb (`valid` of them). */
+/* acc (16 rows of W, each a register of 16 rows of A) += scale * dots + bias * sums, for one group */
 __attribute__((target("avx512f,fma"), always_inline)) static inline void
-amx_scale(const qmat *m, int groups, int nb, int valid, int g, const float *dots, __m512 sums, float *acc) {
-    for (int n = 0; n < valid; n++) {
-        long at = (long)(nb + n) * groups + g;
-        __m512 v = _mm512_fmadd_ps(_mm512_load_ps(dots + n * 16), _mm512_set1_ps(m->scales[at]),
-                                   _mm512_loadu_ps(acc + n * 16));
-        _mm512_storeu_ps(acc + n * 16, _mm512_fmadd_ps(sums, _mm512_set1_ps(m->biases[at]), v));
+amx_scale(__m512 *acc, const float *dots, const float *s, const float *b, __m512 sums) {
+    _Pragma("GCC unroll 16") for (int n = 0; n < 16; n++) {
+        __m512 v = _mm512_fmadd_ps(_mm512_load_ps(dots + n * 16), _mm512_set1_ps(s[n]), acc[n]);
+        acc[n] = _mm512_fmadd_ps(sums, _mm512_set1_ps(b[n]), v);
     }
 }
 
-/* Rows [r0, r1) of c from the packed A: 32 rows of W at a time (two tiles, decoded once a group for every
- * block of A), whose two chains of products share A's tiles and run side by side: one chain alone waited on
- * each product's latency (the tiles' throughput is ~3x that). */
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,fma"))) static void
+/* The pass's scales and biases, 16 a group (rows past `valid` repeat the last one's: their sums are never
+ * written), transposed 16 groups at a time: scale[g * 16 + n], then the biases alike. */
+__attribute__((target("avx512f"))) static void amx_scales(const qmat *m, int nb, int valid, float *scale) {
+    int groups = m->k / 32;
+    for (int part = 0; part < 2; part++)
+        for (int g0 = 0; g0 < groups; g0 += 16) {
+            const float *from = (part ? m->biases : m->scales) + g0;
+            __mmask16 some = groups - g0 >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g0)) - 1);
+            __m512 r[16];
+            _Pragma("GCC unroll 16") for (int n = 0; n < 16; n++) r[n] =
+                _mm512_maskz_loadu_ps(some, from + (long)(nb + (n < valid ? n : valid - 1)) * groups);
+            transpose16(r);
+            for (int j = 0; j < 16 && g0 + j < groups; j++)
+                _mm512_store_ps(scale + ((long)part * groups + g0 + j) * 16, r[j]);
+        }
+}
+
+enum { AMX_PASSES = 8 }; /* passes of 16 rows of W decoded together: A's tiles of a group serve them all */
+
+/* One block of A against `passes` decoded passes of W: every group's tile products, dots[g * passes + s]
+ * for pass s. A tile's sums are stored only after the next products are queued, on the other pair of
+ * tiles (W 0 or 6, sums 1 or 5): storing them at once waited for the products' whole latency. */
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_dots(const uint16_t *wt, const uint8_t *x, long xstep,
+                                                                int groups, int passes, float *dots) {
+    int units = groups * passes;
+    for (int u = 0, g = 0, s = 0; u < units; u++) {
+        if (s == 0) { /* A's three parts of group g */
+            _tile_loadd(2, x + g * xstep, 64);
+            _tile_loadd(3, x + g * xstep + TILE, 64);
+            _tile_loadd(4, x + g * xstep + 2 * TILE, 64);
+        }
+        const uint16_t *w = wt + ((long)s * groups + g) * 512;
+        if (u & 1) {
+            _tile_loadd(6, w, 64);
+            _tile_zero(5);
+            _tile_dpbf16ps(5, 6, 2);
+            _tile_dpbf16ps(5, 6, 3);
+            _tile_dpbf16ps(5, 6, 4);
+            _tile_stored(1, dots + (long)(u - 1) * 256, 64);
+        } else {
+            _tile_loadd(0, w, 64);
+            _tile_zero(1);
+            _tile_dpbf16ps(1, 0, 2);
+            _tile_dpbf16ps(1, 0, 3);
+            _tile_dpbf16ps(1, 0, 4);
+            if (u) _tile_stored(5, dots + (long)(u - 1) * 256, 64);
+        }
+        if (++s == passes) s = 0, g++;
+    }
+    if (units & 1) _tile_stored(1, dots + (long)(units - 1) * 256, 64);
+    else _tile_stored(5, dots + (long)(units - 1) * 256, 64);
+}
+
+/* Rows [r0, r1) of c from the packed A: up to AMX_PASSES passes of 16 rows of W decoded at a time, then per
+ * block of A their tile products (amx_dots), then each pass's groups scaled in registers and written; 0
+ * when memory for the decoded rows ran out. */
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,fma"))) static int
 amx_rows(const qmat *m, const uint8_t *xt, const float *xs, int blocks, int M, float *c, int ldc, int r0, int r1) {
+    static __thread uint8_t *scratch;
+    static __thread int scratch_groups;
+    int groups = m->k / 32;
+    long per_pass = (long)groups * (2 * TILE + 32 * sizeof(float)); /* W's tiles, their sums, scales and biases */
+    if (groups > scratch_groups) {
+        free(scratch);
+        scratch = aligned_alloc(64, AMX_PASSES * per_pass);
+        scratch_groups = scratch ? groups : 0;
+        if (!scratch) return 0;
+    }
+    uint16_t *wt = (uint16_t *)scratch;
+    float *dots = (float *)(scratch + AMX_PASSES * (long)groups * TILE);
+    float *scales = (float *)(scratch + AMX_PASSES * 2L * groups * TILE);
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
     _tile_loadconfig(&cfg);
-    int k = m->k, groups = k / 32;
-    long stride = (long)k * m->bits / 8;
-    uint16_t wt[2][16 * 32] __attribute__((aligned(64)));
-    float dots[2][256] __attribute__((aligned(64)));
-    float acc[blocks * 512]; /* [block][row of W (32)][row of A] */
-    for (int nb = r0; nb < r1; nb += 32) {
-        int valid = r1 - nb < 16 ? r1 - nb : 16, valid2 = r1 - nb - 16 < 0 ? 0 : r1 - nb - 16 < 16 ? r1 - nb - 16 : 16;
-        memset(acc, 0, sizeof acc);
-        for (int g = 0; g < groups; g++) {
-            amx_decode(m, stride, nb, valid, g, wt[0]);
-            amx_decode(m, stride, nb + 16, valid2, g, wt[1]);
-            _tile_loadd(0, wt[0], 64);
-            _tile_loadd(6, wt[1], 64);
-            for (int ib = 0; ib < blocks; ib++) {
-                const uint8_t *x = xt + ((long)g * blocks + ib) * 3 * TILE;
-                _tile_zero(1);
-                _tile_zero(5);
-                _tile_loadd(2, x, 64);
-                _tile_loadd(3, x + TILE, 64);
-                _tile_loadd(4, x + 2 * TILE, 64);
-                _tile_dpbf16ps(1, 0, 2);
-                _tile_dpbf16ps(5, 6, 2);
-                _tile_dpbf16ps(1, 0, 3);
-                _tile_dpbf16ps(5, 6, 3);
-                _tile_dpbf16ps(1, 0, 4);
-                _tile_dpbf16ps(5, 6, 4);
-                _tile_stored(1, dots[0], 64);
-                _tile_stored(5, dots[1], 64);
-                /* the group's scale and bias: scale * (q . x) + bias * sum(x) */
-                __m512 sums = _mm512_loadu_ps(xs + ((long)g * blocks + ib) * 16);
-                amx_scale(m, groups, nb, valid, g, dots[0], sums, acc + ib * 512);
-                amx_scale(m, groups, nb + 16, valid2, g, dots[1], sums, acc + ib * 512 + 256);
+    long xstep = (long)blocks * 3 * TILE; /* A's tiles of one group to the next */
+    for (int s0 = r0; s0 < r1; s0 += 16 * AMX_PASSES) {
+        int passes = (r1 - s0 + 15) / 16;
+        if (passes > AMX_PASSES) passes = AMX_PASSES;
+        for (int s = 0; s < passes; s++) {
+            int nb = s0 + 16 * s, valid = r1 - nb < 16 ? r1 - nb : 16;
+            amx_decode(m, nb, valid, wt + (long)s * groups * 512);
+            amx_scales(m, nb, valid, scales + (long)s * groups * 32);
+        }
+        for (int ib = 0; ib < blocks; ib++) {
+            amx_dots(wt, xt + (long)ib * 3 * TILE, xstep, groups, passes, dots);
+            for (int s = 0; s < passes; s++) {
+                const float *scale = scales + (long)s * groups * 32, *bias = scale + groups * 16;
+                __m512 acc[16];
+                _Pragma("GCC unroll 16") for (int n = 0; n < 16; n++) acc[n] = _mm512_setzero_ps();
+                for (int g = 0; g < groups; g++)
+                    amx_scale(acc, dots + ((long)g * passes + s) * 256, scale + g * 16, bias + g * 16,
+                              _mm512_loadu_ps(xs + ((long)g * blocks + ib) * 16));
+                transpose16(acc); /* acc[i]: row i of this block of A, against the pass's 16 rows of W */
+                int nb = s0 + 16 * s, valid = r1 - nb < 16 ? r1 - nb : 16;
+                __mmask16 mask = (__mmask16)((1u << valid) - 1);
+                for (int i = 0; i < 16 && ib * 16 + i < M; i++)
+                    _mm512_mask_storeu_ps(c + (long)(ib * 16 + i) * ldc + nb, mask, acc[i]);
             }
         }
-        for (int ib = 0; ib < blocks; ib++)
-            for (int i = 0; i < 16 && ib * 16 + i < M; i++)
-                for (int n = 0; n < valid + valid2; n++) c[(long)(ib * 16 + i) * ldc + nb + n] = acc[ib * 512 + n * 16 + i];
     }
     _tile_release();
+    return 1;
 }
 #endif
 
@@ -575,8 +677,9 @@ static int work(job_t *j) {
     int count = 0;
     for (int s; (s = atomic_fetch_add(&j->next, 1)) < j->stretches; count++) {
         int r0 = s * j->stretch, r1 = r0 + j->stretch < j->m->n ? r0 + j->stretch : j->m->n;
-        if (j->xt) amx_rows(j->m, j->xt, j->xs, j->blocks, j->M, j->c, j->ldc, r0, r1);
-        else if (!qgemm_rows(j->m, j->M, j->a, j->lda, j->c, j->ldc, r0, r1)) atomic_store(&j->failed, 1);
+        if (j->xt ? !amx_rows(j->m, j->xt, j->xs, j->blocks, j->M, j->c, j->ldc, r0, r1)
+                  : !qgemm_rows(j->m, j->M, j->a, j->lda, j->c, j->ldc, r0, r1))
+            atomic_store(&j->failed, 1);
         atomic_fetch_add(&j->done, 1);
         if (atomic_load(&j->sleeping)) futex(&j->done, FUTEX_WAKE_PRIVATE, 1);
     }
