@@ -151,6 +151,27 @@ def test_registered_layers_hand_their_output_to_mlx_and_revert(monkeypatch: pyte
     assert mx.array_equal(model(x), plain).item() and started == []
 
 
+def test_linear_layers_multiply_by_one_transpose_made_once_and_revert() -> None:
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8), nn.Embedding(10, 8))
+    x = mx.random.normal((2, 3, 8), key=mx.random.key(6))
+    plain, head = model.layers[1](model.layers[0](x)), model.layers[2].as_linear(x)
+    assert layers.apply(model, ["linear"]) == ["linear"]
+    first, bias, embedding = model.layers
+    assert type(first) is layers.FastLinear and type(embedding) is layers.FastEmbedding
+    out = bias(first(x))
+    assert mx.array_equal(out, plain).item() and mx.array_equal(embedding.as_linear(x), head).item()
+    transposed = first.__dict__["_transposed"][1]
+    mx.eval(first(x))
+    assert first.__dict__["_transposed"][1] is transposed  # no new transpose operation per call
+    assert set(first.parameters()) == {"weight"}  # the transpose is no parameter
+    old = first.weight
+    first.weight = old * 2  # a new weight array: a new transpose (doubling is exact)
+    assert mx.array_equal(first(x), 2 * (x @ old.T)).item()
+    layers.revert(model)
+    assert [type(m) for m in model.layers] == [nn.Linear, nn.Linear, nn.Embedding]
+    assert "_transposed" not in first.__dict__
+
+
 def test_rope_is_traced_once_for_every_position() -> None:
     rope = layers.FastRoPE(64, traditional=True, base=1e5)
     x = mx.random.normal((1, 9, 1, 64))
@@ -225,7 +246,8 @@ def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
 def test_model_info_reports_the_fast_paths() -> None:
     info = json.loads(run_cli(["--model-info"]).stdout)
     on_cpu = info["device"].startswith("Device(cpu")
-    assert info["cpu_fast_paths"] == (["eval_per_layer", "rms_norm", "rope", "swiglu"] if on_cpu else [])
+    fast = ["eval_per_layer", "linear", "rms_norm", "rope", "swiglu"]
+    assert info["cpu_fast_paths"] == (fast if on_cpu else [])
     off = json.loads(run_cli(["--model-info"], env=cli_env(**{layers.ENV: "off"})).stdout)
     assert off["cpu_fast_paths"] == []
 

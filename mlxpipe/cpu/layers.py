@@ -9,7 +9,9 @@ The MLP's SwiGLU is the one swap that is not bit for bit: mlx's CPU ``exp`` (ins
 rounding of exact maths (2.5e-7, mlx's own 1.4e-7), takes less than half the time.
 Decoder layers hand their output to mlx as soon as Python has built it (``eval_per_layer``): mlx computes
 layer i while Python builds layer i + 1, where one evaluation per token left the CPU idle while Python built
-the whole step (numbers unchanged, only when they are computed).
+the whole step (numbers unchanged, only when they are computed). Linear layers (and a tied output layer)
+multiply by their weight's transpose made once, not by a new transpose operation each call (``linear``: a
+tenth of a decode step's operations, the same products).
 Used by :mod:`mlxpipe.engine` only, and only on a CPU: on Metal and CUDA ``mx.fast`` has real kernels.
 ``MLXPIPE_CPU_FAST=off`` turns it off. Measurements: bench/RESULTS.md (issue 7).
 """
@@ -24,13 +26,15 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
+from mlx.nn.layers.embedding import Embedding
+from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.normalization import RMSNorm
 from mlx.nn.layers.positional_encoding import RoPE
 
 from ..switches import turned_off
 
 ENV = "MLXPIPE_CPU_FAST"
-KINDS = ("rms_norm", "rope", "swiglu", "eval_per_layer")
+KINDS = ("rms_norm", "rope", "swiglu", "eval_per_layer", "linear")
 
 # How often mx.compile traced each fast path (it retraces on new shapes only, never per position).
 traces: Counter[str] = Counter()
@@ -188,6 +192,32 @@ def _eval_ahead(base: type) -> type:
     return _subclass(base, "EvalAhead", __call__, f"{base.__name__}, computed as soon as it is built.")
 
 
+def _transposed(module: Module) -> mx.array:
+    """``module``'s weight transposed: one view of its memory, kept while the weight is the same array."""
+    weight: mx.array = module["weight"]
+    held = module.__dict__.get("_transposed")
+    if held is None or held[0] is not weight:
+        held = (weight, weight.T)  # evaluated with the first product, then a plain input of every other
+        object.__setattr__(module, "_transposed", held)  # not a parameter: outside the module's dict
+    transposed: mx.array = held[1]
+    return transposed
+
+
+def _linear_call(self: Any, x: mx.array) -> mx.array:
+    return x @ _transposed(self) if "bias" not in self else Linear.__call__(self, x)
+
+
+def _as_linear(self: Any, x: mx.array) -> mx.array:
+    return x @ _transposed(self)
+
+
+FastLinear = _subclass(Linear, "Fast", _linear_call, "``nn.Linear`` by its weight's transpose made once.")
+_EMBEDDING_DOC = "``nn.Embedding`` whose ``as_linear`` (a tied output layer) multiplies by one transpose."
+FastEmbedding = type(
+    "FastEmbedding", (Embedding,), {"as_linear": _as_linear, "__doc__": _EMBEDDING_DOC, "_plain": Embedding}
+)
+
+
 # Decoder layer classes that return their output as arrays: filled by the engine, as SWIGLU_MLPS below.
 DECODER_LAYERS: set[type] = set()
 
@@ -215,6 +245,10 @@ def apply(model: Any, kinds: Iterable[str] = KINDS) -> list[str]:
             module.__class__ = _eval_ahead(type(module))  # type: ignore[arg-type]
             swapped.add("eval_per_layer")
             continue
+        if type(module) in (Linear, Embedding) and "linear" in wanted:
+            module.__class__ = FastLinear if type(module) is Linear else FastEmbedding
+            swapped.add("linear")
+            continue
         new: Module | None = None
         if type(module) is RMSNorm and "rms_norm" in wanted:
             new = FastRMSNorm(module.weight.shape[0], eps=module.eps)
@@ -235,6 +269,7 @@ def revert(model: Any) -> None:
     for name, module in list(model.named_modules()):
         if plain := type(module).__dict__.get("_plain"):
             module.__class__ = plain
+            module.__dict__.pop("_transposed", None)
             continue
         if isinstance(module, FastRMSNorm):
             old: Module = RMSNorm(module.weight.shape[0], eps=module.eps)
