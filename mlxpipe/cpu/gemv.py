@@ -16,7 +16,8 @@ kernels sum it alone (so a record's numbers do not depend on its neighbours, nor
 ``MLXPIPE_QGEMM=off`` keeps those several-row products on the BLAS. Where the CPU has AMX (bfloat16 tiles),
 products of ``AMX_ROWS`` rows or more use it instead: a row's sums then still depend on that row alone, but
 are added in another order than the one-row kernels add them (the last bits can differ from ``--batch 1``'s);
-``MLXPIPE_AMX=off`` keeps them on the AVX-512 kernels.
+``MLXPIPE_AMX=off`` keeps them on the AVX-512 kernels. A large one-row product (a single stream's output
+layer) shares its rows with the helper thread too (:func:`share_one_rows`), each row summed as alone.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = [
     "ENV",
     "MAX_ROWS",
     "NO_COMPILER",
+    "ONE_ROW_SHARED",
     "QGEMM_ENV",
     "attach",
     "attached",
@@ -50,6 +52,7 @@ __all__ = [
     "quantized_available",
     "quantized_batch_calls",
     "quantized_calls",
+    "share_one_rows",
     "use_amx",
     "use_threads",
 ]
@@ -58,6 +61,9 @@ ENV = "MLXPIPE_GEMV"
 QGEMM_ENV = "MLXPIPE_QGEMM"
 AMX_ENV = "MLXPIPE_AMX"
 AMX_ROWS = 16  # fewer rows than this: the AVX-512 kernels were faster (bench/RESULTS.md, issue 19)
+# One-row products of this many weights or more share their rows with the helper: the embedded model's
+# output layer (28M) gained, its MLP's (0.9M, ~50 us each) lost to the helper's wake-ups (RESULTS, issue 19).
+ONE_ROW_SHARED = 1 << 22
 NO_COMPILER = "no C compiler (cc) found"
 MAX_ROWS = 1 << 30  # every product by an attached matrix: a row's sums never depend on the batch or prompt
 _SOURCE = Path(__file__).with_name("gemv.c")
@@ -84,6 +90,7 @@ def install(blas: Any) -> str:
             return "not used: the BLAS's functions could not be found"
         shim.mlxpipe_qgemm_max_rows(0 if turned_off(QGEMM_ENV) else MAX_ROWS)
         shim.mlxpipe_qgemm_amx(0 if turned_off(AMX_ENV) else AMX_ROWS)
+        shim.mlxpipe_qgemv_shared_min(ctypes.c_long(ONE_ROW_SHARED))
         global _shim
         _shim = _open(path, ctypes.RTLD_GLOBAL)  # promoted now: it comes before the BLAS in the global scope
     except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError) as exc:
@@ -217,6 +224,15 @@ def use_threads(threads: int) -> None:
     helper, which sleeps between products and is left out for a while when it does not get a core)."""
     if _shim is not None:
         _shim.mlxpipe_qgemm_threads(max(1, threads))
+
+
+def share_one_rows(weights: int) -> None:
+    """Let one-row products of at least ``weights`` weights by attached matrices share their rows with the
+    helper (0: none; :data:`ONE_ROW_SHARED` by default). Each row is still summed by one thread, as alone: the
+    numbers do not change. Only while :func:`use_threads` allows the helper; after it made a product wait, it
+    is left out for 50 ms."""
+    if _shim is not None:
+        _shim.mlxpipe_qgemv_shared_min(ctypes.c_long(weights))
 
 
 def use_amx(rows: int) -> bool:
