@@ -235,6 +235,45 @@ def test_logits_agree_with_and_without_the_swaps(engine: Any) -> None:
     assert mx.argmax(fast[0, -1]).item() == mx.argmax(plain[0, -1]).item()
 
 
+@pytest.mark.model
+def test_fused_projections_give_the_numbers_of_the_parts(engine: Any) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxpipe.cpu import gemv, quantized
+
+    if "fused" not in engine.cpu_fast_paths:
+        pytest.skip("projections are fused on a CPU with the quantized kernels (AVX-512) only")
+    attention = engine.model.model.layers[0].self_attn
+    whole = attention.__dict__[quantized.FUSED]
+    assert gemv._address(whole) == gemv._address(attention.q_proj.weight)  # the parts are views of it
+    assert whole.shape[0] == sum(
+        p.weight.shape[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj)
+    )
+    tokens = mx.array(
+        [engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")] * 2
+    )
+
+    def logits(kinds: list[str]) -> list[mx.array]:
+        """A prompt of two rows, a decode step of two rows, then of one: several-row and one-row products."""
+        layers.revert(engine.model)
+        layers.apply(engine.model, kinds)
+        cache = make_prompt_cache(engine.model)
+        out = [engine.model(tokens[:, :-1], cache=cache), engine.model(tokens[:, -1:], cache=cache)]
+        single = make_prompt_cache(engine.model)
+        engine.model(tokens[:1, :-1], cache=single)
+        out.append(engine.model(tokens[:1, -1:], cache=single))
+        mx.eval(out)
+        return out
+
+    try:
+        fused = logits(engine.cpu_fast_paths)
+        parts = logits([k for k in engine.cpu_fast_paths if k != "fused"])
+    finally:
+        layers.revert(engine.model)
+        layers.apply(engine.model, engine.cpu_fast_paths)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(fused, parts, strict=True))  # to the last bit
+
+
 def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
     env = cli_env() if fast else cli_env(**{layers.ENV: "off"})
     r = run_cli(["--jsonl", "--no-stream", *args], input=lines, env=env)
@@ -247,6 +286,8 @@ def test_model_info_reports_the_fast_paths() -> None:
     info = json.loads(run_cli(["--model-info"]).stdout)
     on_cpu = info["device"].startswith("Device(cpu")
     fast = ["eval_per_layer", "linear", "rms_norm", "rope", "swiglu"]
+    if info["quantized_rows"]:  # the quantized kernels (AVX-512): fused projections too
+        fast = sorted([*fast, "fused"])
     assert info["cpu_fast_paths"] == (fast if on_cpu else [])
     off = json.loads(run_cli(["--model-info"], env=cli_env(**{layers.ENV: "off"})).stdout)
     assert off["cpu_fast_paths"] == []

@@ -70,7 +70,8 @@ int mlxpipe_qgemv_register(const float *w, int n, int k, int bits, int group, co
     if (!mlxpipe_qgemv_available() || (bits != 4 && bits != 8) || group % 32 || k % group || registered >= TABLE / 2)
         return 0;
     unsigned i = slot_of(w), dead = TABLE;
-    for (; table[i].w && table[i].w != w; i = (i + 1) & (TABLE - 1))
+    /* keyed by address and rows: a matrix and a view of its first rows (a fused product's part) share one */
+    for (; table[i].w && !(table[i].w == w && table[i].n == n); i = (i + 1) & (TABLE - 1))
         if (table[i].n < 0 && dead == TABLE) dead = i; /* a dead entry's slot can be taken again */
     if (!table[i].w && dead != TABLE) i = dead;
     else if (!table[i].w) registered++;
@@ -78,13 +79,10 @@ int mlxpipe_qgemv_register(const float *w, int n, int k, int bits, int group, co
     return 1;
 }
 
-/* Marks w's entry dead (its products go back to the BLAS); the slot stays, so that lookups probe past it. */
+/* Marks w's entries dead (their products go back to the BLAS); the slots stay, so that lookups probe past. */
 void mlxpipe_qgemv_unregister(const float *w) {
     for (unsigned i = slot_of(w); table[i].w; i = (i + 1) & (TABLE - 1))
-        if (table[i].w == w) {
-            table[i].n = -1;
-            return;
-        }
+        if (table[i].w == w) table[i].n = -1;
 }
 
 long mlxpipe_qgemv_calls(void) { return qgemv_calls; }
@@ -92,7 +90,7 @@ long mlxpipe_qgemv_calls(void) { return qgemv_calls; }
 static const qmat *lookup(const float *w, int n, int k) {
     if (!registered) return 0;
     for (unsigned i = slot_of(w); table[i].w; i = (i + 1) & (TABLE - 1))
-        if (table[i].w == w) return table[i].n == n && table[i].k == k ? &table[i] : 0;
+        if (table[i].w == w && table[i].n == n && table[i].k == k) return &table[i];
     return 0;
 }
 

@@ -148,8 +148,8 @@ def _built() -> str:
 
 # Registered matrices, by the float32 matrix's address: that matrix (kept alive while registered, so that its
 # address cannot pass to another array) and the quantized arrays the C side reads.
-_attached: dict[int, tuple[Any, ...]] = {}
-_held: dict[int, tuple[Any, ...]] = {}  # what keeps the memory the C side reads valid, per attached matrix
+_attached: dict[tuple[int, int], tuple[Any, ...]] = {}
+_held: dict[tuple[int, int], tuple[Any, ...]] = {}  # what keeps the memory the C side reads valid, per matrix
 
 
 def attached() -> int:
@@ -164,6 +164,12 @@ def quantized_available() -> bool:
 
 def _address(array: Any) -> int:
     return _view(array, None)[0]
+
+
+def _key(weight: Any) -> tuple[int, int]:
+    """An attached matrix's key: its address and rows (a fused matrix and a view of its first rows share one
+    address)."""
+    return _address(weight), int(weight.shape[0])
 
 
 def _view(array: Any, fmt: str | None) -> tuple[int, Any]:
@@ -192,12 +198,12 @@ def attach(weight: Any, q: Any, scales: Any, biases: Any, bits: int, group_size:
     if not quantized_available():
         return False
     n, k = weight.shape
-    key = _address(weight)
+    key = _key(weight)
     # Views this module holds (mlx arrays never change once computed), for the C side to read; copying the
     # quantized bytes cost a tenth of a start-up (bench/RESULTS.md). The float32 matrix is only an address.
     (qp, qh), (sp, sh), (bp, bh) = _view(q, None), _view(scales, "f"), _view(biases, "f")
     p = ctypes.c_void_p
-    ok = _shim.mlxpipe_qgemv_register(p(key), n, k, bits, group_size, p(qp), p(sp), p(bp))
+    ok = _shim.mlxpipe_qgemv_register(p(key[0]), n, k, bits, group_size, p(qp), p(sp), p(bp))
     if ok:
         _attached[key] = (weight, q, scales, biases, bits, group_size)
         _held[key] = (qh, sh, bh)
@@ -215,8 +221,8 @@ def detach(weights: Any, settle: Callable[[], None] = lambda: None) -> None:
             _shim.mlxpipe_qgemv_unregister(ctypes.c_void_p(_address(w)))
     settle()
     for w in weights:
-        _attached.pop(_address(w), None)
-        _held.pop(_address(w), None)
+        _attached.pop(_key(w), None)
+        _held.pop(_key(w), None)
 
 
 def use_threads(threads: int) -> None:

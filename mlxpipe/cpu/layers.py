@@ -11,7 +11,9 @@ Decoder layers hand their output to mlx as soon as Python has built it (``eval_p
 layer i while Python builds layer i + 1, where one evaluation per token left the CPU idle while Python built
 the whole step (numbers unchanged, only when they are computed). Linear layers (and a tied output layer)
 multiply by their weight's transpose made once, not by a new transpose operation each call (``linear``: a
-tenth of a decode step's operations, the same products).
+tenth of a decode step's operations, the same products). Where :func:`.quantized.fuse` concatenated an
+attention's q, k and v projections (or an MLP's gate and up), one product by the whole replaces the parts'
+(``fused``: the same sums, a quarter fewer products and operations a step).
 Used by :mod:`mlxpipe.engine` only, and only on a CPU: on Metal and CUDA ``mx.fast`` has real kernels.
 ``MLXPIPE_CPU_FAST=off`` turns it off. Measurements: bench/RESULTS.md (issue 7).
 """
@@ -32,9 +34,10 @@ from mlx.nn.layers.normalization import RMSNorm
 from mlx.nn.layers.positional_encoding import RoPE
 
 from ..switches import turned_off
+from .quantized import FUSED
 
 ENV = "MLXPIPE_CPU_FAST"
-KINDS = ("rms_norm", "rope", "swiglu", "eval_per_layer", "linear")
+KINDS = ("rms_norm", "rope", "swiglu", "eval_per_layer", "linear", "fused")
 
 # How often mx.compile traced each fast path (it retraces on new shapes only, never per position).
 traces: Counter[str] = Counter()
@@ -172,6 +175,51 @@ def _subclass(base: type, prefix: str, call: Callable[..., Any], doc: str) -> ty
     return type(f"{prefix}{base.__name__}", (base,), {"__call__": call, "__doc__": doc, "_plain": base})
 
 
+def _fused_transposed(module: Module) -> mx.array:
+    """The transpose of ``module``'s fused matrix (:func:`.quantized.fuse`), made once."""
+    held = module.__dict__.get("_fused_transposed")
+    if held is None:
+        held = module.__dict__[FUSED].T
+        object.__setattr__(module, "_fused_transposed", held)
+    transposed: mx.array = held
+    return transposed
+
+
+@cache
+def _fused_mlp(base: type) -> type:
+    def __call__(self: Any, x: mx.array) -> Any:
+        both = x @ _fused_transposed(self)  # gate's outputs, then up's
+        gate = self.gate_proj.weight.shape[0]
+        return self.down_proj(swiglu(both[..., :gate], both[..., gate:]))
+
+    return _subclass(
+        base, "Fused", __call__, f"{base.__name__} with one product for gate and up, the fast SwiGLU."
+    )
+
+
+@cache
+def _fused_attention(base: type) -> type:
+    def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> Any:
+        if hasattr(cache, "bits"):  # a quantized KV cache: mlx-lm's own attention
+            return base.__call__(self, x, mask, cache)
+        b, length, _ = x.shape
+        heads, kv = self.n_heads, self.n_kv_heads
+        qkv = (x @ _fused_transposed(self)).reshape(b, length, heads + 2 * kv, -1).transpose(0, 2, 1, 3)
+        # RoPE turns each head alone: queries' and keys' heads at once
+        qk = (
+            self.rope(qkv[:, : heads + kv], offset=cache.offset)
+            if cache is not None
+            else self.rope(qkv[:, : heads + kv])
+        )
+        queries, keys, values = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+    return _subclass(base, "Fused", __call__, f"{base.__name__} with one product for q, k and v.")
+
+
 @cache
 def _fast_mlp(base: type) -> type:
     def __call__(self: Any, x: mx.array) -> Any:
@@ -221,6 +269,10 @@ FastEmbedding = type(
 # Decoder layer classes that return their output as arrays: filled by the engine, as SWIGLU_MLPS below.
 DECODER_LAYERS: set[type] = set()
 
+# Attention classes whose __call__ is mlx-lm's Llama attention (q, k, v projections without bias, RoPE on the
+# queries and keys, the KV cache, mx.fast's attention, o projection): filled by the engine.
+FUSED_ATTENTIONS: set[type] = set()
+
 # MLP classes whose __call__ is down_proj(swiglu(gate_proj(x), up_proj(x))): filled by the engine, which knows
 # mlx-lm's model code (this module does not import it).
 SWIGLU_MLPS: set[type] = set()
@@ -237,9 +289,15 @@ def apply(model: Any, kinds: Iterable[str] = KINDS) -> list[str]:
     """
     wanted, swapped = set(kinds), set()
     for name, module in list(model.named_modules()):
+        fused = "fused" in wanted and FUSED in module.__dict__
         if type(module) in SWIGLU_MLPS and "swiglu" in wanted:
-            module.__class__ = _fast_mlp(type(module))  # type: ignore[arg-type]  # same parameters, new __call__
-            swapped.add("swiglu")
+            swap = _fused_mlp if fused else _fast_mlp
+            module.__class__ = swap(type(module))  # type: ignore[arg-type]  # same parameters, new __call__
+            swapped.update(["swiglu", "fused"] if fused else ["swiglu"])
+            continue
+        if type(module) in FUSED_ATTENTIONS and fused:
+            module.__class__ = _fused_attention(type(module))  # type: ignore[arg-type]
+            swapped.add("fused")
             continue
         if type(module) in DECODER_LAYERS and "eval_per_layer" in wanted:
             module.__class__ = _eval_ahead(type(module))  # type: ignore[arg-type]
