@@ -185,12 +185,20 @@ def _fused_transposed(module: Module) -> mx.array:
     return transposed
 
 
+def _project(linear: Any, rows: mx.array) -> mx.array:
+    """``linear`` (an ``nn.Linear``) of a 2-d ``rows``: by its transpose made once, where it has no bias."""
+    out: mx.array = rows @ _transposed(linear) if "bias" not in linear else linear(rows)
+    return out
+
+
 @cache
 def _fused_mlp(base: type) -> type:
     def __call__(self: Any, x: mx.array) -> Any:
-        both = x @ _fused_transposed(self)  # gate's outputs, then up's
+        # The rows as one matrix: a product of a 3-d input is a flatten, the product and an unflatten.
+        rows = x.reshape(-1, x.shape[-1])
+        both = rows @ _fused_transposed(self)  # gate's outputs, then up's
         gate = self.gate_proj.weight.shape[0]
-        return self.down_proj(swiglu(both[..., :gate], both[..., gate:]))
+        return _project(self.down_proj, swiglu(both[:, :gate], both[:, gate:])).reshape(*x.shape[:-1], -1)
 
     return _subclass(
         base, "Fused", __call__, f"{base.__name__} with one product for gate and up, the fast SwiGLU."
@@ -204,7 +212,8 @@ def _fused_attention(base: type) -> type:
             return base.__call__(self, x, mask, cache)
         b, length, _ = x.shape
         heads, kv = self.n_heads, self.n_kv_heads
-        qkv = (x @ _fused_transposed(self)).reshape(b, length, heads + 2 * kv, -1).transpose(0, 2, 1, 3)
+        qkv = x.reshape(b * length, -1) @ _fused_transposed(self)  # (see the fused MLP)
+        qkv = qkv.reshape(b, length, heads + 2 * kv, -1).transpose(0, 2, 1, 3)
         # RoPE turns each head alone: queries' and keys' heads at once
         qk = (
             self.rope(qkv[:, : heads + kv], offset=cache.offset)
@@ -215,7 +224,7 @@ def _fused_attention(base: type) -> type:
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+        return _project(self.o_proj, out.transpose(0, 2, 1, 3).reshape(b * length, -1)).reshape(b, length, -1)
 
     return _subclass(base, "Fused", __call__, f"{base.__name__} with one product for q, k and v.")
 
