@@ -234,6 +234,27 @@ def test_registered_layers_hand_their_output_to_mlx_and_revert(monkeypatch: pyte
     assert mx.array_equal(model(x), plain).item() and started == []
 
 
+def test_linear_layers_multiply_by_one_transpose_made_once_and_revert() -> None:
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8), nn.Embedding(10, 8))
+    x = mx.random.normal((2, 3, 8), key=mx.random.key(6))
+    plain, head = model.layers[1](model.layers[0](x)), model.layers[2].as_linear(x)
+    assert layers.apply(model, ["linear"]) == ["linear"]
+    first, bias, embedding = model.layers
+    assert type(first) is layers.FastLinear and type(embedding) is layers.FastEmbedding
+    out = bias(first(x))
+    assert mx.array_equal(out, plain).item() and mx.array_equal(embedding.as_linear(x), head).item()
+    transposed = first.__dict__["_transposed"][1]
+    mx.eval(first(x))
+    assert first.__dict__["_transposed"][1] is transposed  # no new transpose operation per call
+    assert set(first.parameters()) == {"weight"}  # the transpose is no parameter
+    old = first.weight
+    first.weight = old * 2  # a new weight array: a new transpose (doubling is exact)
+    assert mx.array_equal(first(x), 2 * (x @ old.T)).item()
+    layers.revert(model)
+    assert [type(m) for m in model.layers] == [nn.Linear, nn.Linear, nn.Embedding]
+    assert "_transposed" not in first.__dict__
+
+
 def test_rope_is_traced_once_for_every_position() -> None:
     rope = layers.FastRoPE(64, traditional=True, base=1e5)
     x = mx.random.normal((1, 9, 1, 64))
@@ -297,6 +318,45 @@ def test_logits_agree_with_and_without_the_swaps(engine: Any) -> None:
     assert mx.argmax(fast[0, -1]).item() == mx.argmax(plain[0, -1]).item()
 
 
+@pytest.mark.model
+def test_fused_projections_give_the_numbers_of_the_parts(engine: Any) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxpipe.cpu import gemv, quantized
+
+    if "fused" not in engine.cpu_fast_paths:
+        pytest.skip("projections are fused on a CPU with the quantized kernels (AVX-512) only")
+    attention = engine.model.model.layers[0].self_attn
+    whole = attention.__dict__[quantized.FUSED]
+    assert gemv._address(whole) == gemv._address(attention.q_proj.weight)  # the parts are views of it
+    assert whole.shape[0] == sum(
+        p.weight.shape[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj)
+    )
+    tokens = mx.array(
+        [engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")] * 2
+    )
+
+    def logits(kinds: list[str]) -> list[mx.array]:
+        """A prompt of two rows, a decode step of two rows, then of one: several-row and one-row products."""
+        layers.revert(engine.model)
+        layers.apply(engine.model, kinds)
+        cache = make_prompt_cache(engine.model)
+        out = [engine.model(tokens[:, :-1], cache=cache), engine.model(tokens[:, -1:], cache=cache)]
+        single = make_prompt_cache(engine.model)
+        engine.model(tokens[:1, :-1], cache=single)
+        out.append(engine.model(tokens[:1, -1:], cache=single))
+        mx.eval(out)
+        return out
+
+    try:
+        fused = logits(engine.cpu_fast_paths)
+        parts = logits([k for k in engine.cpu_fast_paths if k != "fused"])
+    finally:
+        layers.revert(engine.model)
+        layers.apply(engine.model, engine.cpu_fast_paths)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(fused, parts, strict=True))  # to the last bit
+
+
 def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
     env = cli_env() if fast else cli_env(**{layers.ENV: "off"})
     r = run_cli(["--jsonl", "--no-stream", *args], input=lines, env=env)
@@ -308,7 +368,11 @@ def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
 def test_model_info_reports_the_fast_paths() -> None:
     info = json.loads(run_cli(["--model-info"]).stdout)
     on_cpu = info["device"].startswith("Device(cpu")
-    fast = ["attention"] * gemv.attention_available() + ["eval_per_layer", "rms_norm", "rope", "swiglu"]
+    fast = ["eval_per_layer", "linear", "rms_norm", "rope", "swiglu"]
+    fast += ["attention"] * gemv.attention_available()
+    if info["quantized_rows"]:  # the quantized kernels (AVX-512): fused projections too
+        fast += ["fused"]
+    fast.sort()
     assert info["cpu_fast_paths"] == (fast if on_cpu else [])
     off = json.loads(run_cli(["--model-info"], env=cli_env(**{layers.ENV: "off"})).stdout)
     assert off["cpu_fast_paths"] == []

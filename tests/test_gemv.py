@@ -258,6 +258,47 @@ def test_quantized_rows_match_numpy_and_fall_back_when_they_cannot(openblas: Any
     assert not shim.mlxpipe_qgemv_register(ptr(1), 10, 64, 3, 32, ptr(1), ptr(1), ptr(1))  # 3 bits: no kernel
 
 
+def test_one_row_products_shared_with_the_helper_are_the_ones_computed_alone(openblas: Any) -> None:
+    shim = _own_shim(openblas, quantized=True)
+    shim.mlxpipe_qgemv_shared_min.argtypes = [ctypes.c_long]
+    ptr = ctypes.c_void_p
+    rng = np.random.default_rng(12)
+    stats = (ctypes.c_long * 4)()
+
+    def one_row(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+        n, k = w.shape
+        c = np.zeros(n, np.float32)
+        shim.cblas_sgemm(
+            ROW_MAJOR, NO_TRANS, TRANS, 1, n, k, ctypes.c_float(1.0), ptr(x.ctypes.data), k,
+            ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(c.ctypes.data), n,
+        )  # fmt: skip
+        return c
+
+    # Odd row counts (the kernels take rows in pairs), 4 and 8 bits, a stretch of rows a thread or many.
+    for n, k, bits, group in [(1536, 576, 4, 32), (193, 576, 4, 32), (4097, 576, 8, 32), (97, 512, 8, 64)]:
+        w, packed, scales, biases = _quantized(rng, n, k, bits, group)
+        assert shim.mlxpipe_qgemv_register(
+            ptr(w.ctypes.data), n, k, bits, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
+            ptr(biases.ctypes.data),
+        )  # fmt: skip
+        x = rng.standard_normal(k).astype(np.float32)
+        shim.mlxpipe_qgemm_threads(1)
+        alone = one_row(w, x)
+        shim.mlxpipe_qgemm_threads(2)
+        shim.mlxpipe_qgemv_shared_min(1)  # every one-row product shared
+        shim.mlxpipe_qgemm_shared_stats(stats)
+        shared_before = stats[0]
+        for _ in range(20):  # the helper joins some of them, maybe late; each row is one thread's sum
+            assert (one_row(w, x) == alone).all(), (n, k, bits)
+        shim.mlxpipe_qgemm_shared_stats(stats)
+        assert stats[0] > shared_before  # (a slow helper is left out for 50 ms, not for good)
+        shim.mlxpipe_qgemv_shared_min(0)  # none shared: as alone
+        assert (one_row(w, x) == alone).all()
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    shim.mlxpipe_qgemv_shared_min(gemv.ONE_ROW_SHARED)  # (the process's own library, if it is loaded)
+
+
 @pytest.mark.model
 def test_the_embedded_models_one_row_products_read_its_quantized_weights(engine: Any) -> None:
     import mlx.core as mx
@@ -266,7 +307,9 @@ def test_the_embedded_models_one_row_products_read_its_quantized_weights(engine:
     if not engine.quantized_rows:
         assert engine.dtype != "float32" or not gemv.quantized_available()
         pytest.skip("no quantized one-row products here (a GPU, or a CPU without AVX-512)")
-    assert engine.quantized_rows == 211  # 30 layers x 7 matrices, and the tied embedding as the output layer
+    # 30 layers x 7 matrices, the tied embedding as the output layer, and each layer's fused q/k/v and gate/up
+    assert engine.quantized_rows == 211 + (60 if "fused" in engine.cpu_fast_paths else 0)
+    calls = 121 if "fused" in engine.cpu_fast_paths else 211  # a step's products: 4 a layer when fused
     tokens = mx.array(
         [engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")]
     )
@@ -279,20 +322,20 @@ def test_the_embedded_models_one_row_products_read_its_quantized_weights(engine:
     before = gemv.quantized_calls()
     quantized = last_logits()
     mx.eval(quantized)
-    assert gemv.quantized_calls() - before == 211
+    assert gemv.quantized_calls() - before == calls
     entries = list(gemv._attached.values())
     weights = [e[0] for e in entries]
     # The copies must outlive the wait for products still running (mlx computes a step ahead).
     held = []
-    gemv.detach(weights, settle=lambda: held.append(all(gemv._address(w) in gemv._attached for w in weights)))
-    assert held == [True] and not any(gemv._address(w) in gemv._attached for w in weights)
+    gemv.detach(weights, settle=lambda: held.append(all(gemv._key(w) in gemv._attached for w in weights)))
+    assert held == [True] and not any(gemv._key(w) in gemv._attached for w in weights)
     try:
         plain = last_logits()
         mx.eval(plain)
     finally:
         for entry in entries:
             gemv.attach(*entry)
-    assert gemv.quantized_calls() - before == 211  # none while detached
+    assert gemv.quantized_calls() - before == calls  # none while detached
     assert mx.allclose(quantized, plain, rtol=1e-4, atol=1e-4).item()
     assert mx.argmax(quantized).item() == mx.argmax(plain).item()
 

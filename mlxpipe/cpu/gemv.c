@@ -71,7 +71,8 @@ int mlxpipe_qgemv_register(const float *w, int n, int k, int bits, int group, co
     if (!mlxpipe_qgemv_available() || (bits != 4 && bits != 8) || group % 32 || k % group || registered >= TABLE / 2)
         return 0;
     unsigned i = slot_of(w), dead = TABLE;
-    for (; table[i].w && table[i].w != w; i = (i + 1) & (TABLE - 1))
+    /* keyed by address and rows: a matrix and a view of its first rows (a fused product's part) share one */
+    for (; table[i].w && !(table[i].w == w && table[i].n == n); i = (i + 1) & (TABLE - 1))
         if (table[i].n < 0 && dead == TABLE) dead = i; /* a dead entry's slot can be taken again */
     if (!table[i].w && dead != TABLE) i = dead;
     else if (!table[i].w) registered++;
@@ -79,13 +80,10 @@ int mlxpipe_qgemv_register(const float *w, int n, int k, int bits, int group, co
     return 1;
 }
 
-/* Marks w's entry dead (its products go back to the BLAS); the slot stays, so that lookups probe past it. */
+/* Marks w's entries dead (their products go back to the BLAS); the slots stay, so that lookups probe past. */
 void mlxpipe_qgemv_unregister(const float *w) {
     for (unsigned i = slot_of(w); table[i].w; i = (i + 1) & (TABLE - 1))
-        if (table[i].w == w) {
-            table[i].n = -1;
-            return;
-        }
+        if (table[i].w == w) table[i].n = -1;
 }
 
 long mlxpipe_qgemv_calls(void) { return qgemv_calls; }
@@ -93,7 +91,7 @@ long mlxpipe_qgemv_calls(void) { return qgemv_calls; }
 static const qmat *lookup(const float *w, int n, int k) {
     if (!registered) return 0;
     for (unsigned i = slot_of(w); table[i].w; i = (i + 1) & (TABLE - 1))
-        if (table[i].w == w) return table[i].n == n && table[i].k == k ? &table[i] : 0;
+        if (table[i].w == w && table[i].n == n && table[i].k == k) return &table[i];
     return 0;
 }
 
@@ -568,6 +566,10 @@ int mlxpipe_qgemv_available(void) {
 #endif
 }
 
+#ifdef X86_AVX512
+static void one_rows(const qmat *m, const float *xe, const float *xo, const float *xsum, float *c);
+#endif
+
 /* c (1 x n) = alpha a (1 x k) W^T for a registered W; 0 when it cannot (the caller then uses the BLAS). */
 static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c) {
     static __thread float *scratch;
@@ -588,15 +590,15 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
             xe[j] = x[2 * j];
             xo[j] = x[2 * j + 1];
         }
-        rows4_avx512(m, xe, xo, 0, m->n, c);
     } else {
         for (int g = 0; g < groups; g++) {
             float t = 0;
             for (int j = 0; j < m->group; j++) t += x[g * m->group + j];
             xsum[g] = t;
         }
-        rows8_avx512(m, x, xsum, 0, m->n, c);
+        xe = x; /* the 8-bit kernels read x whole */
     }
+    one_rows(m, xe, xo, xsum, c);
 #else
     (void)xe, (void)xo, (void)xsum;
     return 0;
@@ -656,6 +658,8 @@ typedef struct {
     const uint8_t *xt; /* A packed for AMX (amx_pack), or null: the float32 kernels */
     const float *xs;
     int blocks;
+    const float *xe, *xo, *xsum; /* a one-row product's x as qgemv prepares it, when one_row */
+    int one_row;
     atomic_int next, done, failed, sleeping;
 } job_t;
 
@@ -677,8 +681,10 @@ static int work(job_t *j) {
     int count = 0;
     for (int s; (s = atomic_fetch_add(&j->next, 1)) < j->stretches; count++) {
         int r0 = s * j->stretch, r1 = r0 + j->stretch < j->m->n ? r0 + j->stretch : j->m->n;
-        if (j->xt ? !amx_rows(j->m, j->xt, j->xs, j->blocks, j->M, j->c, j->ldc, r0, r1)
-                  : !qgemm_rows(j->m, j->M, j->a, j->lda, j->c, j->ldc, r0, r1))
+        if (j->one_row && j->m->bits == 4) rows4_avx512(j->m, j->xe, j->xo, r0, r1, j->c);
+        else if (j->one_row) rows8_avx512(j->m, j->xe, j->xsum, r0, r1, j->c);
+        else if (j->xt ? !amx_rows(j->m, j->xt, j->xs, j->blocks, j->M, j->c, j->ldc, r0, r1)
+                       : !qgemm_rows(j->m, j->M, j->a, j->lda, j->c, j->ldc, r0, r1))
             atomic_store(&j->failed, 1);
         atomic_fetch_add(&j->done, 1);
         if (atomic_load(&j->sleeping)) futex(&j->done, FUTEX_WAKE_PRIVATE, 1);
@@ -694,6 +700,12 @@ static double now(void) {
 
 enum { ALONE = 256 }; /* products computed without the helper after it was found slow (a decode step: 211) */
 static int alone_for;
+static long shared_calls, helper_stretches, all_stretches, alone_spells;
+
+/* Products shared with the helper, stretches it computed, stretches in all, spells without it (bench). */
+void mlxpipe_qgemm_shared_stats(long *out) {
+    out[0] = shared_calls, out[1] = helper_stretches, out[2] = all_stretches, out[3] = alone_spells;
+}
 
 static void *helper(void *unused) {
     (void)unused;
@@ -703,6 +715,34 @@ static void *helper(void *unused) {
         work(&job);
     }
     return NULL;
+}
+
+/* Computes the job j (the shared one, job_busy taken) with the helper, waiting for the stretches it took;
+ * whether the helper kept up (it waited no more than 0.2 ms and took at least a quarter of the stretches). */
+static int run_shared(job_t *j) {
+    atomic_store(&j->next, 0);
+    atomic_store(&j->done, 0);
+    atomic_store(&j->failed, 0);
+    atomic_store(&j->sleeping, 0);
+    atomic_fetch_add(&job_gen, 1);
+    futex(&job_gen, FUTEX_WAKE_PRIVATE, 1);
+    int mine_done = work(j);
+    double t0 = now();
+    /* only a stretch the helper is computing: spun for briefly, then slept on (a spinning caller would
+     * keep a preempted helper off the core it needs) */
+    for (int spins = 0, d; (d = atomic_load(&j->done)) < j->stretches; spins++)
+        if (spins < 2000) _mm_pause();
+        else {
+            atomic_store(&j->sleeping, 1);
+            if (atomic_load(&j->done) == d) futex_wait_ms(&j->done, d, 1);
+        }
+    /* Beside a busy process the helper gets no core, or loses it in a stretch: then products go on alone
+     * for a while (a waiting caller would collapse a batch, as OpenBLAS's spinning threads did). */
+    double waited = now() - t0;
+    shared_calls++;
+    helper_stretches += j->stretches - mine_done;
+    all_stretches += j->stretches;
+    return waited <= 2e-4 && 4 * (j->stretches - mine_done) >= j->stretches;
 }
 
 static int start_helper(void) {
@@ -773,30 +813,9 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
     }
     j->xt = xt, j->xs = xs, j->blocks = blocks;
     j->stretches = (n + stretch - 1) / stretch;
-    atomic_store(&j->next, 0);
-    atomic_store(&j->done, 0);
-    atomic_store(&j->failed, 0);
-    atomic_store(&j->sleeping, 0);
-    if (shared) {
-        atomic_fetch_add(&job_gen, 1);
-        futex(&job_gen, FUTEX_WAKE_PRIVATE, 1);
-    }
-    int mine_done = work(j);
-    if (shared) {
-        double t0 = now();
-        /* only a stretch the helper is computing: spun for briefly, then slept on (a spinning caller would
-         * keep a preempted helper off the core it needs) */
-        for (int spins = 0, d; (d = atomic_load(&j->done)) < j->stretches; spins++)
-            if (spins < 2000) _mm_pause();
-            else {
-                atomic_store(&j->sleeping, 1);
-                if (atomic_load(&j->done) == d) futex_wait_ms(&j->done, d, 1);
-            }
-        /* Beside a busy process the helper gets no core, or loses it in a stretch: then products go on alone
-         * for a while (a waiting caller would collapse a batch, as OpenBLAS's spinning threads did). */
-        double waited = now() - t0;
-        if (waited > 2e-4 || 4 * (j->stretches - mine_done) < j->stretches) alone_for = ALONE;
-    }
+    j->one_row = 0;
+    if (shared && !run_shared(j)) alone_for = ALONE, alone_spells++;
+    else if (!shared) work(j);
     int failed = atomic_load(&j->failed);
     if (shared) atomic_store(&job_busy, 0);
     if (failed) return 0; /* (only when memory for a few rows ran out) */
@@ -1054,6 +1073,47 @@ static int attention_product(int m, int n, int k, const float *a, int lda, const
     attention_calls++;
     return 1;
 }
+
+#ifdef X86_AVX512
+/* One-row products of at least this many weights share their rows with the helper (0: none). */
+static long one_row_min = 1L << 40;
+enum { ONE_ALONE_MS = 50 }; /* how long one-row products go on alone after the helper was slow */
+static double one_alone_until;
+
+/* Sets the fewest weights a one-row product shares with the helper (0: never shared); starts afresh. */
+void mlxpipe_qgemv_shared_min(long weights) {
+    one_row_min = weights > 0 ? weights : 1L << 40;
+    one_alone_until = 0;
+}
+
+/* c = the rows of W times x, prepared by qgemv: stretches of rows on both threads when W is large and the
+ * helper free. Each row's sum is computed as alone, by one thread: the numbers do not depend on the split. */
+static void one_rows(const qmat *m, const float *xe, const float *xo, const float *xsum, float *c) {
+    int n = m->n;
+    int shared = qgemm_threads > 1 && (long)n * m->k >= one_row_min && now() >= one_alone_until;
+    shared = shared && !atomic_exchange(&job_busy, 1);
+    if (shared && !start_helper()) {
+        atomic_store(&job_busy, 0);
+        shared = 0;
+    }
+    if (!shared) {
+        if (m->bits == 4) rows4_avx512(m, xe, xo, 0, n, c);
+        else rows8_avx512(m, xe, xsum, 0, n, c);
+        return;
+    }
+    long row_bytes = (long)m->k * m->bits / 8 + 2L * (m->k / m->group) * sizeof(float);
+    int stretch = (int)(CHUNK / row_bytes);
+    if (n / 16 + 1 < stretch) stretch = n / 16 + 1; /* about 8 stretches a thread, for balance */
+    stretch = stretch < 2 ? 2 : stretch & ~1;        /* whole pairs of rows, as the kernels take them */
+    job_t *j = &job;
+    j->m = m, j->c = c, j->xe = xe, j->xo = xo, j->xsum = xsum, j->one_row = 1, j->xt = 0;
+    j->stretch = stretch, j->stretches = (n + stretch - 1) / stretch;
+    /* a helper that made the caller wait, or took under a quarter, is left out for a while: beside a busy
+     * process it may get no core, or lose it in a stretch (as the several-row products' rule) */
+    if (!run_shared(j)) one_alone_until = now() + ONE_ALONE_MS * 1e-3, alone_spells++;
+    atomic_store(&job_busy, 0);
+}
+#endif
 
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
                  const float *b, int ldb, float beta, float *c, int ldc) {

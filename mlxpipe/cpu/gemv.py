@@ -16,7 +16,8 @@ kernels sum it alone (so a record's numbers do not depend on its neighbours, nor
 ``MLXPIPE_QGEMM=off`` keeps those several-row products on the BLAS. Where the CPU has AMX (bfloat16 tiles),
 products of ``AMX_ROWS`` rows or more use it instead: a row's sums then still depend on that row alone, but
 are added in another order than the one-row kernels add them (the last bits can differ from ``--batch 1``'s);
-``MLXPIPE_AMX=off`` keeps them on the AVX-512 kernels.
+``MLXPIPE_AMX=off`` keeps them on the AVX-512 kernels. A large one-row product (a single stream's output
+layer) shares its rows with the helper thread too (:func:`share_one_rows`), each row summed as alone.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = [
     "ENV",
     "MAX_ROWS",
     "NO_COMPILER",
+    "ONE_ROW_SHARED",
     "QGEMM_ENV",
     "SCORES_ALPHA",
     "SOFTMAX_ALPHA",
@@ -54,6 +56,7 @@ __all__ = [
     "quantized_available",
     "quantized_batch_calls",
     "quantized_calls",
+    "share_one_rows",
     "use_amx",
     "use_threads",
 ]
@@ -62,6 +65,9 @@ ENV = "MLXPIPE_GEMV"
 QGEMM_ENV = "MLXPIPE_QGEMM"
 AMX_ENV = "MLXPIPE_AMX"
 AMX_ROWS = 16  # fewer rows than this: the AVX-512 kernels were faster (bench/RESULTS.md, issue 19)
+# One-row products of this many weights or more share their rows with the helper: the embedded model's
+# output layer (28M) gained, its MLP's (0.9M, ~50 us each) lost to the helper's wake-ups (RESULTS, issue 19).
+ONE_ROW_SHARED = 1 << 22
 NO_COMPILER = "no C compiler (cc) found"
 # Products whose alpha is one of these compute attention's parts instead (gemv.c, cpu.layers.attention):
 # a @ b.T with each score summed in one order, and softmax(a) @ b.
@@ -92,6 +98,7 @@ def install(blas: Any) -> str:
             return "not used: the BLAS's functions could not be found"
         shim.mlxpipe_qgemm_max_rows(0 if turned_off(QGEMM_ENV) else MAX_ROWS)
         shim.mlxpipe_qgemm_amx(0 if turned_off(AMX_ENV) else AMX_ROWS)
+        shim.mlxpipe_qgemv_shared_min(ctypes.c_long(ONE_ROW_SHARED))
         global _shim
         _shim = _open(path, ctypes.RTLD_GLOBAL)  # promoted now: it comes before the BLAS in the global scope
     except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError) as exc:
@@ -149,8 +156,8 @@ def _built() -> str:
 
 # Registered matrices, by the float32 matrix's address: that matrix (kept alive while registered, so that its
 # address cannot pass to another array) and the quantized arrays the C side reads.
-_attached: dict[int, tuple[Any, ...]] = {}
-_held: dict[int, tuple[Any, ...]] = {}  # what keeps the memory the C side reads valid, per attached matrix
+_attached: dict[tuple[int, int], tuple[Any, ...]] = {}
+_held: dict[tuple[int, int], tuple[Any, ...]] = {}  # what keeps the memory the C side reads valid, per matrix
 
 
 def attached() -> int:
@@ -165,6 +172,12 @@ def quantized_available() -> bool:
 
 def _address(array: Any) -> int:
     return _view(array, None)[0]
+
+
+def _key(weight: Any) -> tuple[int, int]:
+    """An attached matrix's key: its address and rows (a fused matrix and a view of its first rows share one
+    address)."""
+    return _address(weight), int(weight.shape[0])
 
 
 def _view(array: Any, fmt: str | None) -> tuple[int, Any]:
@@ -193,12 +206,12 @@ def attach(weight: Any, q: Any, scales: Any, biases: Any, bits: int, group_size:
     if not quantized_available():
         return False
     n, k = weight.shape
-    key = _address(weight)
+    key = _key(weight)
     # Views this module holds (mlx arrays never change once computed), for the C side to read; copying the
     # quantized bytes cost a tenth of a start-up (bench/RESULTS.md). The float32 matrix is only an address.
     (qp, qh), (sp, sh), (bp, bh) = _view(q, None), _view(scales, "f"), _view(biases, "f")
     p = ctypes.c_void_p
-    ok = _shim.mlxpipe_qgemv_register(p(key), n, k, bits, group_size, p(qp), p(sp), p(bp))
+    ok = _shim.mlxpipe_qgemv_register(p(key[0]), n, k, bits, group_size, p(qp), p(sp), p(bp))
     if ok:
         _attached[key] = (weight, q, scales, biases, bits, group_size)
         _held[key] = (qh, sh, bh)
@@ -216,8 +229,8 @@ def detach(weights: Any, settle: Callable[[], None] = lambda: None) -> None:
             _shim.mlxpipe_qgemv_unregister(ctypes.c_void_p(_address(w)))
     settle()
     for w in weights:
-        _attached.pop(_address(w), None)
-        _held.pop(_address(w), None)
+        _attached.pop(_key(w), None)
+        _held.pop(_key(w), None)
 
 
 def use_threads(threads: int) -> None:
@@ -225,6 +238,15 @@ def use_threads(threads: int) -> None:
     helper, which sleeps between products and is left out for a while when it does not get a core)."""
     if _shim is not None:
         _shim.mlxpipe_qgemm_threads(max(1, threads))
+
+
+def share_one_rows(weights: int) -> None:
+    """Let one-row products of at least ``weights`` weights by attached matrices share their rows with the
+    helper (0: none; :data:`ONE_ROW_SHARED` by default). Each row is still summed by one thread, as alone: the
+    numbers do not change. Only while :func:`use_threads` allows the helper; after it made a product wait, it
+    is left out for 50 ms."""
+    if _shim is not None:
+        _shim.mlxpipe_qgemv_shared_min(ctypes.c_long(weights))
 
 
 def use_amx(rows: int) -> bool:

@@ -12,7 +12,11 @@ the values in gemv.c's kernels instead of mx.fast's CPU fallback, whose scalar e
 ``--batch 64`` step; each score summed in one order, so a record's numbers do not depend on its batch.
 Decoder layers hand their output to mlx as soon as Python has built it (``eval_per_layer``): mlx computes
 layer i while Python builds layer i + 1, where one evaluation per token left the CPU idle while Python built
-the whole step (numbers unchanged, only when they are computed).
+the whole step (numbers unchanged, only when they are computed). Linear layers (and a tied output layer)
+multiply by their weight's transpose made once, not by a new transpose operation each call (``linear``: a
+tenth of a decode step's operations, the same products). Where :func:`.quantized.fuse` concatenated an
+attention's q, k and v projections (or an MLP's gate and up), one product by the whole replaces the parts'
+(``fused``: the same sums, a quarter fewer products and operations a step).
 Used by :mod:`mlxpipe.engine` only, and only on a CPU: on Metal and CUDA ``mx.fast`` has real kernels.
 ``MLXPIPE_CPU_FAST=off`` turns it off. Measurements: bench/RESULTS.md (issue 7).
 """
@@ -27,14 +31,17 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
+from mlx.nn.layers.embedding import Embedding
+from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.normalization import RMSNorm
 from mlx.nn.layers.positional_encoding import RoPE
 
 from ..switches import turned_off
 from . import gemv
+from .quantized import FUSED
 
 ENV = "MLXPIPE_CPU_FAST"
-KINDS = ("rms_norm", "rope", "swiglu", "attention", "eval_per_layer")
+KINDS = ("rms_norm", "rope", "swiglu", "attention", "eval_per_layer", "linear", "fused")
 
 # How often mx.compile traced each fast path (it retraces on new shapes only, never per position).
 traces: Counter[str] = Counter()
@@ -230,6 +237,36 @@ def _subclass(base: type, prefix: str, call: Callable[..., Any], doc: str) -> ty
     return type(f"{prefix}{base.__name__}", (base,), {"__call__": call, "__doc__": doc, "_plain": base})
 
 
+def _fused_transposed(module: Module) -> mx.array:
+    """The transpose of ``module``'s fused matrix (:func:`.quantized.fuse`), made once."""
+    held = module.__dict__.get("_fused_transposed")
+    if held is None:
+        held = module.__dict__[FUSED].T
+        object.__setattr__(module, "_fused_transposed", held)
+    transposed: mx.array = held
+    return transposed
+
+
+def _project(linear: Any, rows: mx.array) -> mx.array:
+    """``linear`` (an ``nn.Linear``) of a 2-d ``rows``: by its transpose made once, where it has no bias."""
+    out: mx.array = rows @ _transposed(linear) if "bias" not in linear else linear(rows)
+    return out
+
+
+@cache
+def _fused_mlp(base: type) -> type:
+    def __call__(self: Any, x: mx.array) -> Any:
+        # The rows as one matrix: a product of a 3-d input is a flatten, the product and an unflatten.
+        rows = x.reshape(-1, x.shape[-1])
+        both = rows @ _fused_transposed(self)  # gate's outputs, then up's
+        gate = self.gate_proj.weight.shape[0]
+        return _project(self.down_proj, swiglu(both[:, :gate], both[:, gate:])).reshape(*x.shape[:-1], -1)
+
+    return _subclass(
+        base, "Fused", __call__, f"{base.__name__} with one product for gate and up, the fast SwiGLU."
+    )
+
+
 @cache
 def _fast_mlp(base: type) -> type:
     def __call__(self: Any, x: mx.array) -> Any:
@@ -238,33 +275,46 @@ def _fast_mlp(base: type) -> type:
     return _subclass(base, "Fast", __call__, f"{base.__name__} with the fast SwiGLU.")
 
 
-@cache
-def _fast_attention(base: type) -> type:
-    def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> Any:
-        if (cache is not None and hasattr(cache, "bits")) or x.dtype != mx.float32:
-            return base.__call__(self, x, mask, cache)  # a quantized KV cache, or not float32: mlx-lm's own
-        # mlx-lm's Llama Attention.__call__, with :func:`attention` for mx.fast's.
-        b, length, _ = x.shape
-        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        queries = queries.reshape(b, length, self.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = keys.reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        values = values.reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        if cache is not None:
-            # BatchKVCache: no row's position reaches its buffer's count plus these (FastRoPE's gather).
-            idx = getattr(cache, "_idx", None)
-            if isinstance(self.rope, FastRoPE) and isinstance(idx, int) and not isinstance(cache.offset, int):
-                queries = self.rope(queries, cache.offset, bound=idx + length)
-                keys = self.rope(keys, cache.offset, bound=idx + length)
-            else:
-                queries = self.rope(queries, offset=cache.offset)
-                keys = self.rope(keys, offset=cache.offset)
-            keys, values = cache.update_and_fetch(keys, values)
-        else:
-            queries, keys = self.rope(queries), self.rope(keys)
-        out = attention(queries, keys, values, self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+def _rope(self: Any, x: mx.array, cache: Any, length: int) -> mx.array:
+    """The attention's RoPE of ``x`` (queries' and/or keys' heads) at the cache's offset."""
+    if cache is None:
+        return self.rope(x)  # type: ignore[no-any-return]
+    # BatchKVCache: no row's position reaches its buffer's count plus these (FastRoPE's gather).
+    idx = getattr(cache, "_idx", None)
+    if isinstance(self.rope, FastRoPE) and isinstance(idx, int) and not isinstance(cache.offset, int):
+        return self.rope(x, cache.offset, bound=idx + length)
+    return self.rope(x, offset=cache.offset)  # type: ignore[no-any-return]
 
-    return _subclass(base, "Fast", __call__, f"{base.__name__} with the CPU's attention.")
+
+@cache
+def _fast_attention(base: type, fused: bool, cpu_attention: bool) -> type:
+    def __call__(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> Any:
+        if cache is not None and hasattr(cache, "bits"):
+            return base.__call__(self, x, mask, cache)  # a quantized KV cache: mlx-lm's own
+        # mlx-lm's Llama Attention.__call__, with fewer operations and the CPU's attention.
+        b, length, _ = x.shape
+        heads, kv = self.n_heads, self.n_kv_heads
+        if fused:  # one product for q, k and v; RoPE turns each head alone: queries' and keys' at once
+            qkv = x.reshape(b * length, -1) @ _fused_transposed(self)  # (see the fused MLP)
+            qkv = qkv.reshape(b, length, heads + 2 * kv, -1).transpose(0, 2, 1, 3)
+            qk = _rope(self, qkv[:, : heads + kv], cache, length)
+            queries, keys, values = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]
+        else:
+            queries = self.q_proj(x).reshape(b, length, heads, -1).transpose(0, 2, 1, 3)
+            keys = self.k_proj(x).reshape(b, length, kv, -1).transpose(0, 2, 1, 3)
+            values = self.v_proj(x).reshape(b, length, kv, -1).transpose(0, 2, 1, 3)
+            queries, keys = _rope(self, queries, cache, length), _rope(self, keys, cache, length)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        if cpu_attention and x.dtype == mx.float32:
+            out = attention(queries, keys, values, self.scale, mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(b * length, -1)
+        return (_project(self.o_proj, out) if fused else self.o_proj(out)).reshape(b, length, -1)
+
+    what = " and ".join(["one product for q, k and v"] * fused + ["the CPU's attention"] * cpu_attention)
+    return _subclass(base, "Fast", __call__, f"{base.__name__} with {what}.")
 
 
 @cache
@@ -279,11 +329,37 @@ def _eval_ahead(base: type) -> type:
     return _subclass(base, "EvalAhead", __call__, f"{base.__name__}, computed as soon as it is built.")
 
 
+def _transposed(module: Module) -> mx.array:
+    """``module``'s weight transposed: one view of its memory, kept while the weight is the same array."""
+    weight: mx.array = module["weight"]
+    held = module.__dict__.get("_transposed")
+    if held is None or held[0] is not weight:
+        held = (weight, weight.T)  # evaluated with the first product, then a plain input of every other
+        object.__setattr__(module, "_transposed", held)  # not a parameter: outside the module's dict
+    transposed: mx.array = held[1]
+    return transposed
+
+
+def _linear_call(self: Any, x: mx.array) -> mx.array:
+    return x @ _transposed(self) if "bias" not in self else Linear.__call__(self, x)
+
+
+def _as_linear(self: Any, x: mx.array) -> mx.array:
+    return x @ _transposed(self)
+
+
+FastLinear = _subclass(Linear, "Fast", _linear_call, "``nn.Linear`` by its weight's transpose made once.")
+_EMBEDDING_DOC = "``nn.Embedding`` whose ``as_linear`` (a tied output layer) multiplies by one transpose."
+FastEmbedding = type(
+    "FastEmbedding", (Embedding,), {"as_linear": _as_linear, "__doc__": _EMBEDDING_DOC, "_plain": Embedding}
+)
+
+
 # Decoder layer classes that return their output as arrays: filled by the engine, as SWIGLU_MLPS below.
 DECODER_LAYERS: set[type] = set()
 
-# Attention classes whose __call__ is mlx-lm's Llama Attention's (projections, RoPE at the cache's offset, the
-# cache's update, mx.fast's attention, o_proj): filled by the engine.
+# Attention classes whose __call__ is mlx-lm's Llama Attention's (q, k, v projections without bias, RoPE at
+# the cache's offset, the cache's update, mx.fast's attention, o_proj): filled by the engine.
 ATTENTIONS: set[type] = set()
 
 # MLP classes whose __call__ is down_proj(swiglu(gate_proj(x), up_proj(x))): filled by the engine, which knows
@@ -293,7 +369,8 @@ SWIGLU_MLPS: set[type] = set()
 
 def apply(model: Any, kinds: Iterable[str] = KINDS) -> list[str]:
     """Swap ``model``'s exact ``nn.RMSNorm`` and ``nn.RoPE`` instances, the MLPs of :data:`SWIGLU_MLPS`, the
-    attentions of :data:`ATTENTIONS` (where gemv.c's AVX-512 kernels run) and the layers of
+    attentions of :data:`ATTENTIONS` (fused projections where :func:`.quantized.fuse` made them, gemv.c's
+    attention where its AVX-512 kernels run), the plain linear layers and the layers of
     :data:`DECODER_LAYERS`, in place; the kinds swapped, sorted.
 
     ``kinds``: which of :data:`KINDS` to swap.
@@ -303,17 +380,24 @@ def apply(model: Any, kinds: Iterable[str] = KINDS) -> list[str]:
     """
     wanted, swapped = set(kinds), set()
     for name, module in list(model.named_modules()):
+        fused = "fused" in wanted and FUSED in module.__dict__
         if type(module) in SWIGLU_MLPS and "swiglu" in wanted:
-            module.__class__ = _fast_mlp(type(module))  # type: ignore[arg-type]  # same parameters, new __call__
-            swapped.add("swiglu")
+            swap = _fused_mlp if fused else _fast_mlp
+            module.__class__ = swap(type(module))  # type: ignore[arg-type]  # same parameters, new __call__
+            swapped.update(["swiglu", "fused"] if fused else ["swiglu"])
             continue
-        if type(module) in ATTENTIONS and "attention" in wanted and gemv.attention_available():
-            module.__class__ = _fast_attention(type(module))  # type: ignore[arg-type]
-            swapped.add("attention")
+        cpu_attention = "attention" in wanted and gemv.attention_available()
+        if type(module) in ATTENTIONS and (fused or cpu_attention):
+            module.__class__ = _fast_attention(type(module), fused, cpu_attention)  # type: ignore[arg-type]
+            swapped.update(["fused"] * fused + ["attention"] * cpu_attention)
             continue
         if type(module) in DECODER_LAYERS and "eval_per_layer" in wanted:
             module.__class__ = _eval_ahead(type(module))  # type: ignore[arg-type]
             swapped.add("eval_per_layer")
+            continue
+        if type(module) in (Linear, Embedding) and "linear" in wanted:
+            module.__class__ = FastLinear if type(module) is Linear else FastEmbedding
+            swapped.add("linear")
             continue
         new: Module | None = None
         if type(module) is RMSNorm and "rms_norm" in wanted:
@@ -335,6 +419,7 @@ def revert(model: Any) -> None:
     for name, module in list(model.named_modules()):
         if plain := type(module).__dict__.get("_plain"):
             module.__class__ = plain
+            module.__dict__.pop("_transposed", None)
             continue
         if isinstance(module, FastRMSNorm):
             old: Module = RMSNorm(module.weight.shape[0], eps=module.eps)

@@ -41,6 +41,11 @@ __all__ = ["Engine"]
 layers.SWIGLU_MLPS.add(llama.MLP)
 layers.DECODER_LAYERS.add(llama.TransformerBlock)
 layers.ATTENTIONS.add(llama.Attention)
+# Projections of one input computed as one product on a CPU (mlxpipe.cpu.quantized.fuse).
+_FUSED: dict[type, tuple[str, ...]] = {
+    llama.Attention: ("q_proj", "k_proj", "v_proj"),
+    llama.MLP: ("gate_proj", "up_proj"),
+}
 
 # Prompt tokens per forward pass. mlx has no CPU attention kernel: its fallback scores every query-key pair of
 # a chunk, masked ones too, so on a CPU prompts are read in smaller chunks than mlx-lm's default (which stands
@@ -113,6 +118,8 @@ class Engine:
         except Exception as exc:
             raise _load_error(source.spec, exc, trust_remote_code) from None
         engine = cls(model, tokenizer, source, folder, used, reason)
+        if forms and layers.enabled():
+            quantized.fuse(engine.model, forms, _FUSED)
         engine.quantized_rows = quantized.attach(engine, engine.model, forms, _streams)
         # mx.fast's norms and RoPE have no CPU kernels, mlx's CPU exp is slow: on a CPU, compiled stand-ins.
         if accelerator() is None and layers.enabled():

@@ -3,7 +3,8 @@ without importing ``mlx_lm.generate``, which imports transformers (most of a sec
 
 The same steps in the same order: the prompt but its last token read in chunks, then each step's logits
 through the logits processors, log-softmax, the sampler, the next step queued before the token is handed
-out; the EOS token ends without text, ``max_tokens`` with "length". tests/test_generate.py holds it to
+out; the EOS token ends without text, ``max_tokens`` with "length". A greedy step with no processor skips the
+log-softmax (the argmax of the logits, as a greedy ``--batch`` step). tests/test_generate.py holds it to
 ``mlx_lm.stream_generate`` token for token. Not done here: mlx-lm's raising of Metal's wired-memory limit
 while generating (nothing on other backends).
 """
@@ -16,8 +17,12 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
 
 __all__ = ["Response", "generation_stream", "stream_generate"]
+
+# Off only in benchmarks, to measure the log-softmax a greedy step skips.
+GREEDY_ARGMAX = True
 
 # A stream on the default device just for generation, as mlx-lm's.
 generation_stream = mx.new_thread_local_stream(mx.default_device())
@@ -47,6 +52,9 @@ def _steps(
     """The token ids, as mlx-lm's ``generate_step`` yields them (without its logprobs)."""
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     tokens: mx.array | None = None
+    # Greedy with no processor: the logits' argmax is the log-probabilities' (as a greedy --batch step picks),
+    # without a log-softmax over the vocabulary each token (its exp is slow on a CPU).
+    argmax_only = GREEDY_ARGMAX and sampler is greedy_sampler and not logits_processors
 
     def step(inputs: mx.array) -> mx.array:
         nonlocal tokens
@@ -56,6 +64,8 @@ def _steps(
                 tokens = mx.concat([tokens, inputs]) if tokens is not None else inputs
                 for processor in logits_processors:
                     logits = processor(tokens, logits)
+            if argmax_only:
+                return mx.argmax(logits, axis=-1)
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
             return sampler(logprobs)
 
