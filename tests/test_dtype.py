@@ -163,3 +163,28 @@ def test_float32_matrices_kept_in_the_cache_are_what_dequantizing_gives(tmp_path
         assert all(got[k].dtype == mx.float32 and mx.array_equal(got[k], want[k]).item() for k in want)
     matrices = {k.removesuffix(".weight") for k in want if k.endswith("proj.weight")}
     assert set(mx.load(str(kept))) == matrices | {"model.embed_tokens"}
+
+    # Projections joined as one matrix (what fusing them needs): the file is rewritten holding the wholes,
+    # read back as views of their rows, the same numbers; a load that does not join them reads it as it is.
+    from mlxpipe.cpu import quantized
+    from mlxpipe.engine.engine import _FUSED
+
+    for _ in range(2):
+        model = loaded()
+        joined = quantized.joinable(model, quantized.forms(model), _FUSED)
+        assert len(joined) == 60  # q/k/v and gate/up of 30 layers
+        got_model = engine_module.apply_dtype(model, "float32", kept, joined)
+        got = dict(tree_flatten(got_model.parameters()))
+        assert all(got[k].dtype == mx.float32 and mx.array_equal(got[k], want[k]).item() for k in want)
+        modules = dict(got_model.named_modules())
+        for key, names in joined.items():
+            whole = modules[key.rpartition(".")[0]].__dict__[quantized.FUSED]
+            parts = [got[f"{n}.weight"] for n in names]
+            assert mx.array_equal(whole, mx.concatenate(parts)).item()
+    on_disk = set(mx.load(str(kept)))
+    assert set(joined) <= on_disk
+    assert not any(n in on_disk for names in joined.values() for n in names)
+    written = kept.stat().st_mtime_ns
+    got = dict(tree_flatten(engine_module.apply_dtype(loaded(), "float32", kept).parameters()))
+    assert all(mx.array_equal(got[k], want[k]).item() for k in want)
+    assert kept.stat().st_mtime_ns == written

@@ -15,7 +15,7 @@ from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 
 from . import gemv
 
-__all__ = ["FUSED", "QUANTIZED", "attach", "forms", "fuse"]
+__all__ = ["FUSED", "QUANTIZED", "attach", "forms", "fuse", "joinable"]
 
 QUANTIZED = (QuantizedLinear, QuantizedEmbedding)
 
@@ -40,40 +40,60 @@ def forms(model: Any) -> dict[str, tuple[Any, ...]]:
 FUSED = "_fused"
 
 
-def fuse(model: Any, quantized: dict[str, tuple[Any, ...]], groups: dict[type, tuple[str, ...]]) -> int:
-    """Concatenate the projections ``groups`` names (per module class) into one matrix each; how many were.
+def joinable(
+    model: Any, quantized: dict[str, tuple[Any, ...]], groups: dict[type, tuple[str, ...]]
+) -> dict[str, tuple[str, ...]]:
+    """The projections ``groups`` names (per module class) that :func:`fuse` can join: ``module._fused`` →
+    the layer names of its parts, for :func:`mlxpipe.engine.dtype.apply_dtype` to dequantize as one matrix.
 
-    A module of a class in ``groups`` whose named children all have quantized forms alike (bits, group size,
-    input width) and float32 weights without a bias gets the rows of their weights as one float32 matrix
-    (:data:`FUSED`); each child's weight becomes a view of its rows, so nothing is stored twice, and
-    ``quantized`` gains the fused matrix's form (with the matrix, for :func:`attach`). Each output's sum is
-    the one its part's kernel computes: the numbers do not change, there are fewer products a step.
+    A module qualifies when its named children all have quantized forms alike (bits, group size, input width)
+    and no bias.
     """
-    fused = 0
+    found = {}
     for name, module in model.named_modules():
         children = groups.get(type(module))
         if not children:
             continue
-        parts: list[Any] = [getattr(module, child, None) for child in children]
-        forms = [quantized.get(f"{name}.{child}") for child in children]
-        if any(f is None for f in forms) or any(p is None or "bias" in p for p in parts):
+        parts = [getattr(module, child, None) for child in children]
+        kinds = [quantized.get(f"{name}.{child}") for child in children]
+        if any(f is None for f in kinds) or any(p is None or "bias" in p for p in parts):
             continue
-        weights = [p.weight for p in parts]
-        if any(w.dtype != mx.float32 or w.ndim != 2 or w.shape[1] != weights[0].shape[1] for w in weights):
+        if len({(f[3], f[4], f[0].shape[1] * 32 // f[3]) for f in kinds}) != 1:  # type: ignore[index]
             continue
-        if len({(f[3], f[4]) for f in forms}) != 1:  # type: ignore[index]
+        found[f"{name}.{FUSED}"] = tuple(f"{name}.{child}" for child in children)
+    return found
+
+
+def fuse(model: Any, quantized: dict[str, tuple[Any, ...]], joined: dict[str, tuple[str, ...]]) -> int:
+    """Multiply by the projections :func:`joinable` found as one float32 matrix each; how many were.
+
+    The module gets the rows of its parts' weights as one matrix (:data:`FUSED`): the one dequantizing made
+    (its parts' weights are views of its rows, nothing is stored twice), or else their concatenation.
+    ``quantized`` gains the fused matrix's form (with the matrix, for :func:`attach`). Each output's sum is
+    the one its part's kernel computes: the numbers do not change, there are fewer products a step.
+    """
+    modules = dict(model.named_modules())
+    fused, made = 0, []
+    for key, names in joined.items():
+        owner = modules.get(key.rpartition(".")[0])
+        parts = [modules.get(n) for n in names]
+        weights: list[Any] = [getattr(p, "weight", None) for p in parts]
+        if owner is None or any(w is None or w.dtype != mx.float32 or w.ndim != 2 for w in weights):
             continue
-        whole = mx.concatenate(weights, axis=0)
-        packed = [mx.concatenate([f[i] for f in forms], axis=0) for i in range(3)]  # type: ignore[index]
-        mx.eval(whole, packed)
-        start = 0
-        for part, w in zip(parts, weights, strict=True):
-            part.weight = whole[start : start + w.shape[0]]  # a view: the rows of the fused matrix
-            start += w.shape[0]
-        mx.eval([p.weight for p in parts])
-        object.__setattr__(module, FUSED, whole)
-        quantized[f"{name}.{FUSED}"] = (*packed, *forms[0][3:5], whole)  # type: ignore[index]
+        whole = owner.__dict__.get(FUSED)
+        if whole is None:
+            whole = mx.concatenate(weights, axis=0)
+            start = 0
+            for part, w in zip(parts, weights, strict=True):
+                part.weight = whole[start : start + w.shape[0]]  # type: ignore[union-attr]  # a view of its rows
+                start += w.shape[0]
+            object.__setattr__(owner, FUSED, whole)
+        forms = [quantized[n] for n in names]
+        packed = [mx.concatenate([f[i] for f in forms], axis=0) for i in range(3)]
+        quantized[key] = (*packed, *forms[0][3:5], whole)
+        made += [*packed, *(p.weight for p in parts)]  # type: ignore[union-attr]
         fused += 1
+    mx.eval(made)
     return fused
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +128,9 @@ def choose_dtype(model: Any, requested: str, batch: int = 1) -> tuple[str, str]:
     return "float32", f"auto on cpu: float32 weights with {with_blas} (faster than quantized kernels)"
 
 
-def apply_dtype(model: Any, dtype: str, stored: Path | None = None) -> Any:
+def apply_dtype(
+    model: Any, dtype: str, stored: Path | None = None, joined: Mapping[str, tuple[str, ...]] | None = None
+) -> Any:
     """Turn ``model`` into ``dtype`` in place: dequantize (as mlx-lm's ``dequantize_model``), then cast
     floating weights.
 
@@ -135,6 +139,9 @@ def apply_dtype(model: Any, dtype: str, stored: Path | None = None) -> Any:
     are not computed in float32.
     ``stored``: a file keeping the float32 dequantized matrices between runs (read when it exists, else
     written), for ``float32`` only.
+    ``joined``: for ``float32``, matrices to make as one: ``module.attribute`` → the quantized layers whose
+    weights become views of its rows, in order; the whole is set as that attribute of that module (and kept
+    as one in ``stored``, so that later runs read it with no copy).
     """
     if dtype == "quantized":
         leaves: Any = tree_flatten(model.parameters())
@@ -149,7 +156,7 @@ def apply_dtype(model: Any, dtype: str, stored: Path | None = None) -> Any:
             for _, m in model.named_modules():
                 if isinstance(m, QUANTIZED):
                     m.update({k: m[k].astype(mx.float32) for k in ("scales", "biases") if k in m})
-        model = dequantize(model, stored if dtype == "float32" else None)
+        model = dequantize(model, stored, joined) if dtype == "float32" else dequantize(model)
     model.set_dtype(_FLOATS[dtype])
     mx.eval(model.parameters())
     return model
@@ -161,12 +168,15 @@ STORED_MAX_BYTES = 2 << 30
 STORED_VERSION = "v1"  # part of the kept file's name: bump it when dequantize computes other numbers
 
 
-def dequantize(model: Any, stored: Path | None = None) -> Any:
+def dequantize(
+    model: Any, stored: Path | None = None, joined: Mapping[str, tuple[str, ...]] | None = None
+) -> Any:
     """Replace ``model``'s quantized linear and embedding layers by float ones, in place (what mlx-lm's
     ``dequantize_model`` does, without importing mlx-lm's loader); other quantized kinds go to mlx-lm's.
 
     With ``stored``, the dequantized matrices are read from that file when it holds them all (the same
     numbers: ``mx.dequantize`` of the same inputs), else computed and written there for the next run.
+    ``joined`` as :func:`apply_dtype` has it.
     """
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QUANTIZED)]
     if any("scales" in m and not isinstance(m, QUANTIZED) for _, m in model.named_modules()):
@@ -175,13 +185,19 @@ def dequantize(model: Any, stored: Path | None = None) -> Any:
         return dequantize_model(model)
     if not layers:
         return model
-    weights = _read(stored, {n: _shape(m) for n, m in layers})
-    computed = weights is None
-    if weights is None:
+    shapes = {n: _shape(m) for n, m in layers}
+    joined = {k: v for k, v in (joined or {}).items() if all(n in shapes for n in v)}
+    found = _read(stored, shapes)
+    weights, wholes, kept = found or ({}, {}, {})
+    if found is None:
         weights = {
             n: mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, m.mode)
             for n, m in layers
         }
+    missing = {k: v for k, v in joined.items() if k not in wholes}
+    for key, names in missing.items():
+        wholes[key] = mx.concatenate([weights[n] for n in names], axis=0)
+        weights.update(_rows(wholes[key], names, shapes))
     new = []
     for name, m in layers:
         weight = weights[name]
@@ -194,10 +210,23 @@ def dequantize(model: Any, stored: Path | None = None) -> Any:
         layer.weight = weight
         new.append((name, layer))
     model.update_modules(tree_unflatten(new))
-    if computed and stored is not None:
-        mx.eval(list(weights.values()))
-        _write(stored, weights)
+    modules = dict(model.named_modules())
+    for key in joined:
+        owner, _, attribute = key.rpartition(".")
+        object.__setattr__(modules[owner], attribute, wholes[key])  # outside the module's parameters
+    if stored is not None and (found is None or missing):
+        mx.eval(list(weights.values()), list(wholes.values()))
+        _write(stored, weights, wholes, {**kept, **joined})
     return model
+
+
+def _rows(whole: Any, names: tuple[str, ...], shapes: Mapping[str, tuple[int, int]]) -> dict[str, Any]:
+    """Each of ``names``' matrix as a view of its rows of ``whole``."""
+    views, start = {}, 0
+    for name in names:
+        views[name] = whole[start : start + shapes[name][0]]
+        start += shapes[name][0]
+    return views
 
 
 def _shape(m: Any) -> tuple[int, int]:
@@ -205,31 +234,50 @@ def _shape(m: Any) -> tuple[int, int]:
     return rows, packed * 32 // m.bits
 
 
-def _read(path: Path | None, shapes: dict[str, tuple[int, int]]) -> dict[str, Any] | None:
-    """The float32 matrices kept at ``path`` when it holds exactly ``shapes``; None otherwise."""
+_JOINED = "mlxpipe.joined"  # the kept file's metadata: which of its matrices are others' rows, as JSON
+
+
+def _read(
+    path: Path | None, shapes: Mapping[str, tuple[int, int]]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[str, ...]]] | None:
+    """The float32 matrices kept at ``path`` when it holds exactly ``shapes``: each layer's (views of a joined
+    whole's rows where it was kept joined), the joined wholes, their parts' names; None otherwise."""
     if path is None or not path.is_file():
         return None
     try:
-        weights: Any = mx.load(str(path))
-    except (RuntimeError, ValueError, OSError):  # damaged: computed again and rewritten
+        loaded: Any = mx.load(str(path), return_metadata=True)
+        arrays, metadata = loaded
+        joins = {k: tuple(v) for k, v in json.loads(metadata.get(_JOINED, "{}")).items()}
+        weights = {n: w for n, w in arrays.items() if n not in joins}
+        wholes = {k: arrays[k] for k in joins}
+        for key, names in joins.items():
+            if any(n not in shapes or n in weights for n in names):
+                return None
+            weights.update(_rows(wholes[key], names, shapes))
+    except (RuntimeError, ValueError, OSError, KeyError, TypeError, AttributeError):  # damaged: made again
         return None
-    if {n: tuple(w.shape) for n, w in weights.items()} != shapes or any(
-        w.dtype != mx.float32 for w in weights.values()
+    if {n: tuple(w.shape) for n, w in weights.items()} != dict(shapes) or any(
+        w.dtype != mx.float32 for w in arrays.values()
     ):
         return None
-    return dict(weights)
+    return weights, wholes, joins
 
 
-def _write(path: Path, weights: dict[str, Any]) -> None:
-    """Keep ``weights`` at ``path`` (atomically); a cache that cannot be written is only slower next time."""
-    if sum(int(w.nbytes) for w in weights.values()) > STORED_MAX_BYTES:
+def _write(
+    path: Path, weights: dict[str, Any], wholes: dict[str, Any], joins: Mapping[str, tuple[str, ...]]
+) -> None:
+    """Keep ``weights`` at ``path`` (atomically), each of ``joins`` as its whole from ``wholes`` instead of
+    its parts; a cache that cannot be written is only slower next time."""
+    parts = {n for names in joins.values() for n in names}
+    arrays = {n: w for n, w in weights.items() if n not in parts} | {k: wholes[k] for k in joins}
+    if sum(int(w.nbytes) for w in arrays.values()) > STORED_MAX_BYTES:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
         os.close(fd)
         try:
-            mx.save_safetensors(tmp, weights)
+            mx.save_safetensors(tmp, arrays, metadata={_JOINED: json.dumps(dict(joins))})
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

@@ -112,14 +112,16 @@ class Engine:
         tag = f"float32-{STORED_VERSION}-mlx{getattr(mx, '__version__', '')}.safetensors"
         stored = models.derived_file(folder, tag)
         tokenizing.start()  # its file is parsed while mlx reads or computes the weights
-        model = apply_dtype(model, used, stored)
+        # joined as one matrix while dequantizing: fusing them afterwards would copy them
+        joined = quantized.joinable(model, forms, _FUSED) if forms and layers.enabled() else {}
+        model = apply_dtype(model, used, stored, joined)
         try:
             tokenizer = tokenizing.result()
         except Exception as exc:
             raise _load_error(source.spec, exc, trust_remote_code) from None
         engine = cls(model, tokenizer, source, folder, used, reason)
         if forms and layers.enabled():
-            quantized.fuse(engine.model, forms, _FUSED)
+            quantized.fuse(engine.model, forms, joined)
         engine.quantized_rows = quantized.attach(engine, engine.model, forms, _streams)
         # mx.fast's norms and RoPE have no CPU kernels, mlx's CPU exp is slow: on a CPU, compiled stand-ins.
         if accelerator() is None and layers.enabled():
