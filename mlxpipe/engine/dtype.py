@@ -165,7 +165,7 @@ def apply_dtype(
 # Float32 matrices kept in the cache only up to this size: reading them back costs a tenth of computing them
 # (bench/RESULTS.md, start-up), but each is ~8x the quantized file on disk.
 STORED_MAX_BYTES = 2 << 30
-STORED_VERSION = "v1"  # part of the kept file's name: bump it when dequantize computes other numbers
+STORED_VERSION = "v2"  # part of the kept file's name: bump it when the file holds other numbers or layout
 
 
 def dequantize(
