@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from ..cpu.quantized import QUANTIZED
 from ..errors import ModelError
 from ..interface import DTYPES
 
-__all__ = ["DTYPES", "accelerator", "apply_dtype", "choose_dtype"]
+__all__ = ["DTYPES", "KeptFile", "accelerator", "apply_dtype", "choose_dtype"]
 
 _FLOATS = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -129,7 +131,10 @@ def choose_dtype(model: Any, requested: str, batch: int = 1) -> tuple[str, str]:
 
 
 def apply_dtype(
-    model: Any, dtype: str, stored: Path | None = None, joined: Mapping[str, tuple[str, ...]] | None = None
+    model: Any,
+    dtype: str,
+    stored: KeptFile | Path | None = None,
+    joined: Mapping[str, tuple[str, ...]] | None = None,
 ) -> Any:
     """Turn ``model`` into ``dtype`` in place: dequantize (as mlx-lm's ``dequantize_model``), then cast
     floating weights.
@@ -138,7 +143,7 @@ def apply_dtype(
     has its floating parameters cast to its own 16-bit type (:func:`half_dtype`) too, so that activations
     are not computed in float32.
     ``stored``: a file keeping the float32 dequantized matrices between runs (read when it exists, else
-    written), for ``float32`` only.
+    written), for ``float32`` only; a :class:`KeptFile` may have begun reading it already.
     ``joined``: for ``float32``, matrices to make as one: ``module.attribute`` → the quantized layers whose
     weights become views of its rows, in order; the whole is set as that attribute of that module (and kept
     as one in ``stored``, so that later runs read it with no copy).
@@ -169,7 +174,7 @@ STORED_VERSION = "v2"  # part of the kept file's name: bump it when the file hol
 
 
 def dequantize(
-    model: Any, stored: Path | None = None, joined: Mapping[str, tuple[str, ...]] | None = None
+    model: Any, stored: KeptFile | Path | None = None, joined: Mapping[str, tuple[str, ...]] | None = None
 ) -> Any:
     """Replace ``model``'s quantized linear and embedding layers by float ones, in place (what mlx-lm's
     ``dequantize_model`` does, without importing mlx-lm's loader); other quantized kinds go to mlx-lm's.
@@ -187,7 +192,8 @@ def dequantize(
         return model
     shapes = {n: _shape(m) for n, m in layers}
     joined = {k: v for k, v in (joined or {}).items() if all(n in shapes for n in v)}
-    found = _read(stored, shapes)
+    kept_file = KeptFile(stored) if isinstance(stored, Path) else stored
+    found = _read(kept_file, shapes)
     weights, wholes, kept = found or ({}, {}, {})
     if found is None:
         weights = {
@@ -214,9 +220,9 @@ def dequantize(
     for key in joined:
         owner, _, attribute = key.rpartition(".")
         object.__setattr__(modules[owner], attribute, wholes[key])  # outside the module's parameters
-    if stored is not None and (found is None or missing):
+    if kept_file is not None and (found is None or missing):
         mx.eval(list(weights.values()), list(wholes.values()))
-        _write(stored, weights, wholes, {**kept, **joined})
+        _write(kept_file.path, weights, wholes, {**kept, **joined})
     return model
 
 
@@ -237,16 +243,42 @@ def _shape(m: Any) -> tuple[int, int]:
 _JOINED = "mlxpipe.joined"  # the kept file's metadata: which of its matrices are others' rows, as JSON
 
 
+class KeptFile:
+    """The file of float32 matrices :func:`apply_dtype` keeps, read on a thread from the moment this is made
+    when it exists: mlx releases the GIL while it reads, so building the model and parsing the tokenizer go
+    on meanwhile (mlx evaluates on several threads since 0.31.2)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._loaded: tuple[dict[str, Any], dict[str, str]] | None = None
+        self._thread: threading.Thread | None = None
+        if path.is_file():
+            self._thread = threading.Thread(target=self._read, name="weights", daemon=True)
+            self._thread.start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(RuntimeError, ValueError, OSError):  # damaged: made again and rewritten
+            loaded: Any = mx.load(str(self.path), return_metadata=True)
+            mx.eval(list(loaded[0].values()))
+            self._loaded = loaded
+
+    def loaded(self) -> tuple[dict[str, Any], dict[str, str]] | None:
+        """The file's arrays (evaluated) and metadata; None when it does not exist or cannot be read."""
+        if self._thread is not None:
+            self._thread.join()
+        return self._loaded
+
+
 def _read(
-    path: Path | None, shapes: Mapping[str, tuple[int, int]]
+    kept: KeptFile | None, shapes: Mapping[str, tuple[int, int]]
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[str, ...]]] | None:
-    """The float32 matrices kept at ``path`` when it holds exactly ``shapes``: each layer's (views of a joined
+    """The float32 matrices ``kept`` holds when they are exactly ``shapes``: each layer's (views of a joined
     whole's rows where it was kept joined), the joined wholes, their parts' names; None otherwise."""
-    if path is None or not path.is_file():
+    loaded = kept.loaded() if kept is not None else None
+    if loaded is None:
         return None
+    arrays, metadata = loaded
     try:
-        loaded: Any = mx.load(str(path), return_metadata=True)
-        arrays, metadata = loaded
         joins = {k: tuple(v) for k, v in json.loads(metadata.get(_JOINED, "{}")).items()}
         weights = {n: w for n, w in arrays.items() if n not in joins}
         wholes = {k: arrays[k] for k in joins}
@@ -254,7 +286,7 @@ def _read(
             if any(n not in shapes or n in weights for n in names):
                 return None
             weights.update(_rows(wholes[key], names, shapes))
-    except (RuntimeError, ValueError, OSError, KeyError, TypeError, AttributeError):  # damaged: made again
+    except (ValueError, KeyError, TypeError, AttributeError):  # damaged: made again and rewritten
         return None
     if {n: tuple(w.shape) for n, w in weights.items()} != dict(shapes) or any(
         w.dtype != mx.float32 for w in arrays.values()

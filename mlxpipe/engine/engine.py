@@ -29,7 +29,7 @@ from . import loader, sampling
 from .batch import Batch, auto_size
 from .choices import choose
 from .constraints import Constraints
-from .dtype import STORED_VERSION, accelerator, apply_dtype, available_memory, choose_dtype
+from .dtype import STORED_VERSION, KeptFile, accelerator, apply_dtype, available_memory, choose_dtype
 from .generate import generation_stream, stream_generate
 from .prefix import PrefixCache
 from .prompts import Prompts
@@ -100,6 +100,15 @@ class Engine:
         """
         source = models.resolve(spec)
         folder = models.materialize(source)
+        # A GGUF conversion's float32 matrices are kept in the cache: reading them beats dequantizing. A kept
+        # file is read on a thread from here on, while the model is built and the tokenizer parsed.
+        tag = f"float32-{STORED_VERSION}-mlx{getattr(mx, '__version__', '')}.safetensors"
+        path = models.derived_file(folder, tag)
+        kept = (
+            KeptFile(path)
+            if path is not None and dtype in ("auto", "float32") and accelerator() is None
+            else None
+        )
         try:
             model, tokenizing = loader.load(folder, trust_remote_code)
         except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds; the user needs one line
@@ -108,9 +117,7 @@ class Engine:
         # Float32 on a CPU computes from the dequantized weights; one-row products can still read the
         # quantized ones (mlxpipe.cpu.gemv), which the dequantizing would otherwise drop.
         forms = quantized.forms(model) if used == "float32" and gemv.quantized_available() else {}
-        # A GGUF conversion's float32 matrices are kept in the cache: reading them beats dequantizing.
-        tag = f"float32-{STORED_VERSION}-mlx{getattr(mx, '__version__', '')}.safetensors"
-        stored = models.derived_file(folder, tag)
+        stored = kept if kept is not None or path is None else KeptFile(path)
         tokenizing.start()  # its file is parsed while mlx reads or computes the weights
         # joined as one matrix while dequantizing: fusing them afterwards would copy them
         joined = quantized.joinable(model, forms, _FUSED) if forms and layers.enabled() else {}
