@@ -5,8 +5,9 @@
 Times this checkout's code; ``--against`` also times another checkout's (the main branch's, or an older
 commit's tree), round by round in turn, and prints the ratio of each median (this / that) beside them.
 
-Each round runs, in fresh processes (a warm cache: the model folder, the kept float32 matrices and the
-compiled kernels exist; a first unmeasured run makes them):
+Each round runs, in fresh processes (a warm cache: the model folder, the kept float32 matrices, the
+compiled kernels and Python's bytecode exist, as in an installed package; a first unmeasured run makes
+them):
 
 - ``whole``: ``echo hi | python -m mlxpipe -n 1`` (stdout to /dev/null), wall time, and the CPU time it
   used (user + system, every thread: what a busy machine inflates least);
@@ -77,6 +78,9 @@ def _env(repo: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("MLXPIPE_MODEL", None)
+    # An installed package has its bytecode compiled (pip does it); a checkout gets it on the unmeasured
+    # first run, even where the environment says not to write it (this machine's does).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
 

@@ -37,11 +37,12 @@ import re
 import select
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import IO, Any
-
-import jsonlines
+from typing import IO, TYPE_CHECKING, Any
 
 from .records import BadRecord, Record, Settings, Template
+
+if TYPE_CHECKING:
+    import jsonlines
 
 STDIN = "<stdin>"
 DEFAULT_MAX_LINE_BYTES = 1 << 20  # 1 MiB: far above any prompt a small context holds, far below RAM
@@ -226,6 +227,8 @@ def parse_json(raw: bytes) -> Any:
     jsonlines does the reading (UTF-8 decoding, a BOM or RS at the line's start, the null check); our
     ``loads`` refuses NaN, infinities and out-of-range numbers, which JSON output could not carry.
     """
+    import jsonlines  # here: JSONL input only (its attrs import is ~20 ms of every start)
+
     try:
         obj = jsonlines.Reader((raw,), loads=_loads).read()
     except jsonlines.InvalidLineError as exc:

@@ -339,3 +339,18 @@ def test_model_info_reports_blas_and_dtype() -> None:
     off = json.loads(r.stdout)
     assert off["dtype"] == "quantized" and off["blas"]["library"] is None and off["blas"]["reference_blas"]
     assert "MLXPIPE_BLAS" in off["blas"]["reason"]
+
+
+def test_installed_distributions_are_what_importlib_metadata_finds() -> None:
+    # Looked up without importing importlib.metadata (a start-up cost); it stays the reference.
+    import importlib.metadata
+
+    for name in ("mlx", "mlx-lm", "cmeel-openblas", "mlx-cuda-13", "mlx-cuda-12", "no-such-distribution"):
+        try:
+            location = str(importlib.metadata.distribution(name).locate_file(""))
+        except importlib.metadata.PackageNotFoundError:
+            location = None
+        found = [str(Path(p).resolve()) for p in blas._installed(name)]
+        assert (location is not None) == bool(found), name
+        if location is not None:
+            assert str(Path(location).resolve()) in found

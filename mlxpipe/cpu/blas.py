@@ -32,7 +32,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import glob
-import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -211,26 +210,27 @@ def _vendored_reference_blas(package_dirs: list[str]) -> str | None:
 def _cuda_backend() -> str | None:
     """The installed mlx CUDA backend's distribution name (mlx-cuda-13, mlx-cuda-12), if any."""
     for name in ("mlx-cuda-13", "mlx-cuda-12"):
-        try:
-            importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        return name
+        if _installed(name):
+            return name
     return None
+
+
+def _installed(distribution: str) -> list[str]:
+    """The folders on ``sys.path`` holding ``distribution``'s metadata (what importlib.metadata finds, without
+    its import: ~20-40 ms of every start)."""
+    name = distribution.replace("-", "_")
+    entries = [entry or "." for entry in sys.path]
+    return [e for e in entries if glob.glob(os.path.join(glob.escape(e), f"{name}-*.dist-info"))]
 
 
 def _candidates() -> list[tuple[str, str]]:
     """Optimized BLAS libraries present on this machine, best first: (source, path)."""
     found: list[tuple[str, str]] = []
-    try:
-        files = importlib.metadata.files("cmeel-openblas") or []
-    except importlib.metadata.PackageNotFoundError:
-        files = []
-    for f in files:
-        if f.name == "libopenblas.so.0":
-            path = Path(str(f.locate()))
-            if path.is_file():
-                found.append(("cmeel-openblas", str(path)))
+    for entry in _installed("cmeel-openblas"):  # cmeel's wheels install their libraries under cmeel.prefix
+        path = Path(entry, "cmeel.prefix", "lib", "libopenblas.so.0")
+        if path.is_file():
+            found.append(("cmeel-openblas", str(path)))
+            break
     for pattern in _SYSTEM_PATTERNS:
         found += [("system", p) for p in sorted(glob.glob(pattern))]
     if not any(source == "system" for source, _ in found):
