@@ -41,13 +41,15 @@ def exit_process(status: int) -> NoReturn:
     # The interpreter's teardown (freeing the model, mlx's threads) costs ~0.1 s a run and writes nothing:
     # once stdout and stderr are flushed, the process ends without it.
     try:
-        sys.stdout.flush()
+        if sys.stdout is not None:  # None: Python found descriptor 1 closed at start
+            sys.stdout.flush()
     except BrokenPipeError:  # a reader that left: as everywhere, not a failure
         pass
     except (OSError, ValueError):
         status = status or 1
     with contextlib.suppress(OSError, ValueError):
-        sys.stderr.flush()
+        if sys.stderr is not None:
+            sys.stderr.flush()
     os._exit(status)
 
 
