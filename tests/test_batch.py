@@ -413,3 +413,36 @@ def test_greedy_batches_skip_the_log_softmax_and_pick_mlx_lms_tokens(engine, mon
     assert plain_calls >= 7 and greedy_calls <= 3  # only each record's first token, at the end of its prompt
     mixed, mixed_calls = answers(sampled=True)
     assert mixed[:3] == greedy and mixed_calls >= 7
+
+
+def test_cpu_batch_caches_roll_only_their_filled_positions_to_mlx_lms_result() -> None:
+    # A right-padded prefill into a cache with history (a reused prefix), then the roll that right-justifies
+    # each row: mlx-lm rolls the whole buffer; the tuned cache rolls the filled positions, with the same keys
+    # and values wherever a row attends (the greedy tests above check the answers through the real model).
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll
+
+    from mlxpipe.engine import batch
+
+    batch._tune_cpu_caches()
+    assert BatchKVCache.step == batch.CPU_KV_STEP
+    rows, heads, dim, lengths = 3, 2, 4, [5, 3, 4]
+    prefix = []
+    for n in (2, 6, 4):  # history of unequal lengths: merged left-padded
+        c = KVCache()
+        c.update_and_fetch(mx.random.normal((1, heads, n, dim)), mx.random.normal((1, heads, n, dim)))
+        prefix.append(c)
+    cache = BatchKVCache.merge(prefix)
+    padding = [max(lengths) - n for n in lengths]
+    cache.prepare(lengths=lengths, right_padding=padding)
+    cache.update_and_fetch(*(mx.random.normal((rows, heads, max(lengths), dim)) for _ in range(2)))
+    assert cache.keys.shape[2] > cache._idx  # a buffer with room past the filled positions
+    shifts = mx.array(padding)[:, None]
+    want = [dynamic_roll(a, shifts, axis=2)[..., : cache._idx, :] for a in (cache.keys, cache.values)]
+    cache.finalize()
+    got = cache.keys_and_values()
+    pads = cache.left_padding.tolist()
+    assert pads == [4 + 0, 0 + 2, 2 + 1]  # history's padding, then the roll's
+    # Every position a row attends to is the same; the padding before (masked, never read) may differ.
+    for g, w in zip(got, want, strict=True):
+        assert all(mx.array_equal(g[i, :, p:], w[i, :, p:]).item() for i, p in enumerate(pads))

@@ -22,7 +22,7 @@ from .sampling import StopStrings
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["AUTO_CPU", "AUTO_GPU", "Batch", "auto_size"]
+__all__ = ["AUTO_CPU", "AUTO_GPU", "CPU_KV_STEP", "Batch", "auto_size"]
 
 # --batch auto's sizes per backend: the CPU's the fastest of bench/throughput.py's sizes, also beside a busy
 # process (bench/contention.py; issue 19 in bench/RESULTS.md), the GPU's where issue 10's H200 runs had
@@ -50,6 +50,30 @@ def auto_size(model: Any, max_tokens: int, free_memory: int | None, on_gpu: bool
             size = fits
             why = f"the KV caches of {fits} records fit in half the free memory"
     return size, why
+
+
+# A batch's KV caches on a CPU grow by this many positions (mlx-lm's 256 made every right-padded prefill
+# allocate, copy and roll ~4x the buffer it needs: bench/RESULTS.md, issue 19).
+CPU_KV_STEP = 64
+
+
+@functools.cache
+def _tune_cpu_caches() -> None:
+    """mlx-lm's ``BatchKVCache`` for a CPU, in this process: grown ``CPU_KV_STEP`` positions at a time, and
+    after a right-padded prefill only its filled positions rolled (not the buffer past them). The same
+    numbers: only the left padding the roll makes (masked, never attended to) holds other values."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    BatchKVCache.step = CPU_KV_STEP
+    roll = BatchKVCache.finalize
+
+    def finalize(self: Any) -> None:
+        if self._right_padding is not None and self.keys is not None:
+            self.keys = self.keys[..., : self._idx, :]
+            self.values = self.values[..., : self._idx, :]
+        roll(self)  # type: ignore[no-untyped-call]
+
+    BatchKVCache.finalize = finalize  # type: ignore[method-assign]
 
 
 # Off only in bench/batch_steps.py, to measure mlx-lm's own step beside _Greedy's.
@@ -119,6 +143,11 @@ class Batch:
         self.engine = engine
         self.size = size
         from mlx_lm.generate import BatchGenerator  # imports transformers: only when batching
+
+        from .dtype import accelerator
+
+        if accelerator() is None:
+            _tune_cpu_caches()
 
         self._eos = set(engine.tokenizer.eos_token_ids)
         self._gen = BatchGenerator(
