@@ -24,18 +24,30 @@ from mlxpipe.cpu import blas, gemv
 REFERENCE = "/venv/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
 CMEEL = ("cmeel-openblas", "/venv/site-packages/cmeel.prefix/lib/libopenblas.so.0")
 SYSTEM = ("system", "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
+SCIPY = ("scipy-openblas32", "/venv/site-packages/scipy_openblas32/lib/libscipy_openblas.so")
+AVX512_CPU = {"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+AVX2_CPU = {"avx", "avx2", "fma"}  # an AMD EPYC (Zen 2/3), say
 
 
 class FakeLibrary:
-    """What ctypes.CDLL returns, as far as the loader looks at it."""
+    """What ctypes.CDLL returns, as far as the loader looks at it: cmeel's build for SKYLAKEX, or scipy's
+    for every CPU, whose functions carry its prefix."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str) -> None:
         self.threads = 2
-        self.openblas_get_config = lambda: b"OpenBLAS 0.3.31 SKYLAKEX MAX_THREADS=4"
-        self.openblas_get_num_threads = lambda: self.threads
+        prefix = "scipy_" if path == SCIPY[1] else ""
+        config = (
+            b"OpenBLAS 0.3.34 DYNAMIC_ARCH NO_AFFINITY Haswell MAX_THREADS=64" if prefix else CMEEL_CONFIG
+        )
+        setattr(self, f"{prefix}openblas_get_config", lambda: config)
+        setattr(self, f"{prefix}openblas_get_num_threads", lambda: self.threads)
+        setattr(self, f"{prefix}openblas_set_num_threads", self._set_threads)
 
-    def openblas_set_num_threads(self, n: Any) -> None:
+    def _set_threads(self, n: Any) -> None:
         self.threads = n.value
+
+
+CMEEL_CONFIG = b"OpenBLAS 0.3.31 SKYLAKEX MAX_THREADS=4"
 
 
 @pytest.fixture
@@ -47,6 +59,8 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         "reference": REFERENCE,
         "candidates": [CMEEL, SYSTEM],
         "cuda": None,  # the mlx CUDA backend's distribution, when installed
+        "flags": AVX512_CPU,  # what /proc/cpuinfo lists
+        "forwarding": gemv.FORWARDING,  # what gemv.install says it did
         "broken": set(),  # paths whose loading fails
         "loaded": [],  # paths made global, in order
         "steps": [],  # every load and gemv install, in order
@@ -58,11 +72,11 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         state["steps"].append(("global" if mode == ctypes.RTLD_GLOBAL else "local", path))
         if mode == ctypes.RTLD_GLOBAL:
             state["loaded"].append(path)
-        return FakeLibrary()
+        return FakeLibrary(path)
 
     def install(library: FakeLibrary) -> str:
         state["steps"].append(("gemv", None))
-        return "one-row products go to sgemv"
+        return str(state["forwarding"])
 
     monkeypatch.delenv(blas.ENV, raising=False)
     for name in blas._THREAD_VARS:
@@ -72,6 +86,7 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(blas, "_reference_blas", lambda: state["reference"])
     monkeypatch.setattr(blas, "_candidates", lambda: list(state["candidates"]))
     monkeypatch.setattr(blas, "_cuda_backend", lambda: state["cuda"])
+    monkeypatch.setattr(blas, "_cpu_flags", lambda: state["flags"])
     monkeypatch.setattr(blas, "_load", load)
     monkeypatch.setattr(blas.gemv, "install", install)
     monkeypatch.setattr(blas.gemv, "attached", lambda: False)  # an engine loaded earlier in this process
@@ -157,6 +172,87 @@ def test_falls_back_to_the_system_library_and_says_why(machine: dict[str, Any]) 
     assert choice.source == "system"
     assert len(choice.failed) == 1 and "libgfortran.so.5" in choice.failed[0]
     assert choice.info()["failed"] == list(choice.failed)
+
+
+def test_a_build_for_avx512_is_skipped_on_a_cpu_without_it_for_scipys_through_the_forwarding(
+    machine: dict[str, Any],
+) -> None:
+    # cmeel-openblas's x86-64 wheel is built for SKYLAKEX only: on an AVX2 CPU its first product dies with
+    # SIGILL. scipy-openblas32 picks its kernels at run time; mlx reaches its prefixed functions only
+    # through the forwarding cblas_sgemm, which goes global before it.
+    machine["flags"] = AVX2_CPU
+    machine["candidates"] = [CMEEL, SCIPY, SYSTEM]
+    choice = blas.choose()
+    assert (choice.library, choice.source) == (SCIPY[1], "scipy-openblas32")
+    assert choice.config is not None and "DYNAMIC_ARCH" in choice.config
+    assert machine["steps"] == [
+        ("local", CMEEL[1]),
+        ("local", SCIPY[1]),
+        ("gemv", None),
+        ("global", SCIPY[1]),
+    ]
+    assert choice.failed == (
+        f"{CMEEL[1]}: built for SKYLAKEX CPUs only; this CPU lacks avx512f, avx512bw, avx512vl, avx512dq, "
+        "avx512cd",
+    )
+    assert blas.threads() == 2 and blas.slow_paths(choice) == []
+    blas.use_threads(1)  # the prefixed thread functions are found too
+    assert blas.threads() == 1
+
+
+def test_where_the_cpu_has_avx512_cmeels_build_stays_first(machine: dict[str, Any]) -> None:
+    machine["candidates"] = [CMEEL, SCIPY, SYSTEM]
+    assert blas.choose().source == "cmeel-openblas"
+    machine["flags"] = None  # no /proc/cpuinfo flags (not x86): nobody can tell, the build is tried
+    assert blas.choose().source == "cmeel-openblas"
+
+
+def test_a_prefixed_library_without_the_forwarding_is_not_used(machine: dict[str, Any]) -> None:
+    machine["flags"] = AVX2_CPU
+    machine["candidates"] = [CMEEL, SCIPY]
+    machine["forwarding"] = "not built: no C compiler (cc) found"
+    choice = blas.choose()
+    assert choice.library is None and machine["loaded"] == [] and choice.missing
+    assert choice.failed[1] == (
+        f"{SCIPY[1]}: its functions are named scipy_cblas_*, reached only through (not built: no C compiler "
+        "(cc) found)"
+    )
+    # The fix named is the one for the best candidate, cmeel's, on this CPU: the library built for every CPU.
+    assert choice.reason.startswith("cmeel-openblas would not load (built for SKYLAKEX CPUs only;")
+    assert choice.reason.endswith(": pip install scipy-openblas32 (built for every CPU; needs a C compiler)")
+    (line,) = blas.slow_paths(choice)
+    assert "reference BLAS" in line
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the BLAS is loaded on Linux only")
+def test_the_installed_libraries_are_judged_by_their_own_config_and_this_cpus_flags() -> None:
+    # The real candidates of this venv, asked in a fresh process (a library loads nothing of mlx): each one
+    # that would be chosen must run on this CPU, which the real model runs elsewhere in the suite prove.
+    script = (
+        "import ctypes, json\n"
+        "from mlxpipe.cpu import blas\n"
+        "out = []\n"
+        "for source, path in blas._candidates():\n"
+        "    lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)\n"
+        "    prefix = blas._PREFIXES.get(source, '')\n"
+        "    config = blas._openblas_config(blas._Prefixed(lib, prefix) if prefix else lib)\n"
+        "    try:\n"
+        "        blas.opened(source, path)\n"
+        "        lacks = None\n"
+        "    except OSError as exc:\n"
+        "        lacks = str(exc)\n"
+        "    out.append([source, config, lacks])\n"
+        "print(json.dumps([out, sorted(blas._cpu_flags() or [])]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    judged, flags = json.loads(done.stdout)
+    by_source = {source: (config, lacks) for source, config, lacks in judged}
+    if "scipy-openblas32" in by_source:
+        assert "DYNAMIC_ARCH" in by_source["scipy-openblas32"][0] and by_source["scipy-openblas32"][1] is None
+    if "cmeel-openblas" in by_source and "SKYLAKEX" in by_source["cmeel-openblas"][0].split():
+        assert (by_source["cmeel-openblas"][1] is None) == ("avx512f" in flags and "avx512bw" in flags)
 
 
 def test_absent_loads_nothing_and_names_the_package(machine: dict[str, Any]) -> None:

@@ -15,8 +15,13 @@ Decision, in order:
   the ``mlx`` package; a build of mlx against an optimized BLAS has no such file.
 - mlx's CUDA backend is installed (``mlx-cuda-13``/``-12``, the ``cuda13``/``cuda12`` extras): load nothing;
   its wheel bundles the reference BLAS as well, but the matrix products run on the GPU.
-- Otherwise the first of these that loads: ``cmeel-openblas``'s ``libopenblas.so.0`` (the ``cpu`` extra
-  installs it; it needs the system's gfortran runtime, ``libgfortran.so.5``), then a system ``libopenblas``.
+- Otherwise the first of these that loads and runs on this CPU: ``cmeel-openblas``'s ``libopenblas.so.0``
+  (the ``cpu`` extra installs it; it needs the system's gfortran runtime, ``libgfortran.so.5``, and its x86-64
+  build is for AVX-512 CPUs only), then ``scipy-openblas32``'s (also in the extra: built for every CPU, no
+  gfortran; its functions are named ``scipy_cblas_sgemm`` and so on, so mlx reaches it only through the
+  forwarding ``cblas_sgemm`` below, which needs a C compiler), then a system ``libopenblas``. A library built
+  for one CPU family (OpenBLAS's ``TARGET``) is skipped where this CPU lacks its instructions: it would die
+  with SIGILL in its first product.
 
 In front of a BLAS it loads, :mod:`mlxpipe.cpu.gemv` puts a ``cblas_sgemm`` that sends one-row products to
 ``sgemv`` (``MLXPIPE_GEMV=off`` leaves it out).
@@ -46,6 +51,20 @@ from . import gemv
 __all__ = ["ENV", "BlasChoice", "choose", "setup", "slow_paths", "threads", "use_threads"]
 
 ENV = "MLXPIPE_BLAS"
+
+# Libraries whose functions carry a prefix (scipy_cblas_sgemm): mlx binds cblas_sgemm by name, so only the
+# forwarding cblas_sgemm of mlxpipe.cpu.gemv can send it there.
+_PREFIXES = {"scipy-openblas32": "scipy_"}
+# What an OpenBLAS built for one TARGET (not DYNAMIC_ARCH) needs of an x86-64 CPU, as /proc/cpuinfo names it.
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")
+_TARGET_NEEDS = {
+    "SKYLAKEX": _AVX512,
+    "COOPERLAKE": (*_AVX512, "avx512_bf16"),
+    "SAPPHIRERAPIDS": (*_AVX512, "avx512_bf16"),
+    "HASWELL": ("avx2", "fma"),
+    "ZEN": ("avx2", "fma"),
+    "SANDYBRIDGE": ("avx",),
+}
 
 # Where Debian/Ubuntu, Fedora and Arch put OpenBLAS (the pthread build first: it is the fast default).
 _SYSTEM_PATTERNS = (
@@ -118,18 +137,41 @@ def _load_first(candidates: list[tuple[str, str]], reference: str | None) -> Bla
     failed: list[tuple[str, str, str]] = []  # (source, path, the loader's message)
     for source, path in candidates:
         try:
-            handle = _load(path, ctypes.RTLD_LOCAL)
+            handle, config = opened(source, path)
         except OSError as exc:
             failed.append((source, path, first_line(exc)))
             continue
+        prefix = _PREFIXES.get(source, "")
         forwarding = gemv.install(handle)  # global before the BLAS, so libmlx binds to its cblas_sgemm
+        if prefix and forwarding != gemv.FORWARDING:
+            failed.append(
+                (
+                    source,
+                    path,
+                    f"its functions are named {prefix}cblas_*, reached only through ({forwarding})",
+                )
+            )
+            continue
         _load(path, ctypes.RTLD_GLOBAL)
         _set_threads(handle)
-        config = _openblas_config(handle)
         return BlasChoice(path, source, "loaded before mlx", config, _said(failed), gemv=forwarding)
     return BlasChoice(
         None, "mlx", _none_loaded(failed), None, _said(failed), reference=reference is not None, missing=True
     )
+
+
+def opened(source: str, path: str) -> tuple[Any, str | None]:
+    """The library at ``path`` loaded RTLD_LOCAL, its functions found by their plain names, and OpenBLAS's
+    description of it. Raises OSError when it will not load, or was built for CPUs this one is not."""
+    handle = _load(path, ctypes.RTLD_LOCAL)
+    prefix = _PREFIXES.get(source, "")
+    if prefix:
+        handle = _Prefixed(handle, prefix)
+    config = _openblas_config(handle)
+    lacking = _cpu_lacks(config)
+    if lacking:
+        raise OSError(lacking)
+    return handle, config
 
 
 def _said(failed: list[tuple[str, str, str]]) -> tuple[str, ...]:
@@ -144,6 +186,8 @@ def _none_loaded(failed: list[tuple[str, str, str]]) -> str:
     what = f"{source} would not load ({message})"
     if "libgfortran" in message:  # cmeel-openblas links to the system's gfortran runtime
         return f"{what}: install the gfortran runtime (Debian/Ubuntu: apt-get install libgfortran5)"
+    if message.startswith("built for "):
+        return f"{what}: pip install scipy-openblas32 (built for every CPU; needs a C compiler)"
     return what
 
 
@@ -185,6 +229,47 @@ def _load(path: str, mode: int) -> Any:
     # Loaded RTLD_LOCAL first, then again RTLD_GLOBAL (which promotes it): mlx's libmlx.so then binds its
     # cblas_* symbols to this library, or to a global library loaded before it.
     return ctypes.CDLL(path, mode=mode)
+
+
+def _cpu_flags() -> set[str] | None:
+    """This CPU's feature flags as the kernel lists them (None where it does not: not x86, no /proc)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_lacks(config: str | None) -> str | None:
+    """Why an OpenBLAS described by ``config`` cannot run here (None when it can, or when nobody can tell).
+
+    A ``DYNAMIC_ARCH`` build picks its kernels at run time; one built for a single ``TARGET`` uses its
+    instructions everywhere and dies with SIGILL on a CPU without them.
+    """
+    words = (config or "").split()
+    if "DYNAMIC_ARCH" in words:
+        return None
+    target = next((word for word in words if word.upper() in _TARGET_NEEDS), None)
+    flags = _cpu_flags()
+    if target is None or flags is None:
+        return None
+    missing = [flag for flag in _TARGET_NEEDS[target.upper()] if flag not in flags]
+    if not missing:
+        return None
+    return f"built for {target} CPUs only; this CPU lacks {', '.join(missing)}"
+
+
+class _Prefixed:
+    """A library whose functions all carry ``prefix``, looked up by their plain names."""
+
+    def __init__(self, library: Any, prefix: str) -> None:
+        self._library, self._prefix = library, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._library, self._prefix + name)
 
 
 def _reference_blas() -> str | None:
@@ -230,6 +315,11 @@ def _candidates() -> list[tuple[str, str]]:
         path = Path(entry, "cmeel.prefix", "lib", "libopenblas.so.0")
         if path.is_file():
             found.append(("cmeel-openblas", str(path)))
+            break
+    for entry in _installed("scipy-openblas32"):
+        path = Path(entry, "scipy_openblas32", "lib", "libscipy_openblas.so")
+        if path.is_file():
+            found.append(("scipy-openblas32", str(path)))
             break
     for pattern in _SYSTEM_PATTERNS:
         found += [("system", p) for p in sorted(glob.glob(pattern))]

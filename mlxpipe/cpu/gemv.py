@@ -69,6 +69,7 @@ AMX_ROWS = 16  # fewer rows than this: the AVX-512 kernels were faster (bench/RE
 # output layer (28M) gained, its MLP's (0.9M, ~50 us each) lost to the helper's wake-ups (RESULTS, issue 19).
 ONE_ROW_SHARED = 1 << 22
 NO_COMPILER = "no C compiler (cc) found"
+FORWARDING = "one-row products go to sgemv"  # what install() returns once its cblas_sgemm is in front
 # Products whose alpha is one of these compute attention's parts instead (gemv.c, cpu.layers.attention):
 # a @ b.T with each score summed in one order, and softmax(a) @ b.
 SCORES_ALPHA = -(2.0**99)
@@ -104,7 +105,7 @@ def install(blas: Any) -> str:
     except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError) as exc:
         # RuntimeError: the cache folder is under the home folder, and there is none.
         return f"not built: {first_line(exc)}"
-    return "one-row products go to sgemv"
+    return FORWARDING
 
 
 def _open(path: str, mode: int) -> Any:
