@@ -214,14 +214,34 @@ def test_a_prefixed_library_without_the_forwarding_is_not_used(machine: dict[str
     choice = blas.choose()
     assert choice.library is None and machine["loaded"] == [] and choice.missing
     assert choice.failed[1] == (
-        f"{SCIPY[1]}: its functions are named scipy_cblas_*, reached only through (not built: no C compiler "
-        "(cc) found)"
+        f"{SCIPY[1]}: reached only through mlxpipe's cblas_sgemm (its functions are named scipy_cblas_*), "
+        "which was not built: no C compiler (cc) found"
     )
-    # The fix named is the one for the best candidate, cmeel's, on this CPU: the library built for every CPU.
-    assert choice.reason.startswith("cmeel-openblas would not load (built for SKYLAKEX CPUs only;")
-    assert choice.reason.endswith(": pip install scipy-openblas32 (built for every CPU; needs a C compiler)")
-    (line,) = blas.slow_paths(choice)
-    assert "reference BLAS" in line
+    # The fix named is the one for the library that runs here: the compiler, not cmeel's AVX-512.
+    assert choice.reason == (
+        "scipy-openblas32 is reached only through mlxpipe's cblas_sgemm (its functions are named "
+        "scipy_cblas_*), which was not built: no C compiler (cc) found; install a C compiler (Debian/Ubuntu: "
+        "apt-get install gcc)"
+    )
+    assert blas.slow_paths(choice) == [
+        f"float32 matrix products run on mlx's reference BLAS, about 30x slower: {choice.reason}"
+    ]
+    machine["forwarding"] = "off (MLXPIPE_GEMV=off)"
+    assert blas.choose().reason.endswith("which was off (MLXPIPE_GEMV=off); unset MLXPIPE_GEMV")
+
+
+def test_only_a_build_for_avx512_on_a_cpu_without_it_names_the_library_for_every_cpu(
+    machine: dict[str, Any],
+) -> None:
+    machine["flags"] = AVX2_CPU
+    machine["candidates"] = [CMEEL]
+    choice = blas.choose()
+    assert choice.library is None and choice.missing
+    assert choice.reason == (
+        "cmeel-openblas would not load (built for SKYLAKEX CPUs only; this CPU lacks avx512f, avx512bw, "
+        "avx512vl, avx512dq, avx512cd): pip install scipy-openblas32 (built for every CPU; needs a C "
+        "compiler)"
+    )
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the BLAS is loaded on Linux only")

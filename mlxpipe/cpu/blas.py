@@ -55,6 +55,7 @@ ENV = "MLXPIPE_BLAS"
 # Libraries whose functions carry a prefix (scipy_cblas_sgemm): mlx binds cblas_sgemm by name, so only the
 # forwarding cblas_sgemm of mlxpipe.cpu.gemv can send it there.
 _PREFIXES = {"scipy-openblas32": "scipy_"}
+_THROUGH_FORWARDING = "reached only through mlxpipe's cblas_sgemm"
 # What an OpenBLAS built for one TARGET (not DYNAMIC_ARCH) needs of an x86-64 CPU, as /proc/cpuinfo names it.
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")
 _TARGET_NEEDS = {
@@ -148,7 +149,8 @@ def _load_first(candidates: list[tuple[str, str]], reference: str | None) -> Bla
                 (
                     source,
                     path,
-                    f"its functions are named {prefix}cblas_*, reached only through ({forwarding})",
+                    f"{_THROUGH_FORWARDING} (its functions are named {prefix}cblas_*), "
+                    f"which was {forwarding}",
                 )
             )
             continue
@@ -182,6 +184,17 @@ def _none_loaded(failed: list[tuple[str, str, str]]) -> str:
     """Why no optimized BLAS is in use, from what the loader said, with the fix where it is known."""
     if not failed:
         return "no optimized BLAS is installed (pip install 'mlxpipe[cpu]', which brings cmeel-openblas)"
+    # A library that loads and runs here but needs the forwarding is the one worth fixing, else the first.
+    forwarded = [f for f in failed if f[2].startswith(_THROUGH_FORWARDING)]
+    if forwarded:
+        source, _, message = forwarded[0]
+        if message.endswith(gemv.NO_COMPILER):
+            fix = "install a C compiler (Debian/Ubuntu: apt-get install gcc)"
+        elif "not built: " in message:
+            fix = "it is tried again once the compiler or mlxpipe changes"
+        else:
+            fix = f"unset {gemv.ENV}" if f"({gemv.ENV}=" in message else "see --model-info"
+        return f"{source} is {message}; {fix}"
     source, _, message = failed[0]  # the best candidate: the one worth fixing
     what = f"{source} would not load ({message})"
     if "libgfortran" in message:  # cmeel-openblas links to the system's gfortran runtime
