@@ -12,6 +12,7 @@ import itertools
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +25,26 @@ from mlxpipe.cpu import blas, gemv
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
 
 
-def _own_shim(openblas: Any, quantized: bool = False) -> Any:
-    """A copy of the shim of its own (its table of attached matrices starts empty), in front of OpenBLAS."""
+def _own_shim(openblas: Any, quantized: bool = False, avx2: bool = False) -> Any:
+    """A copy of the shim of its own (its table of attached matrices starts empty), in front of OpenBLAS;
+    ``avx2``: its AVX2 kernels, also where the CPU has AVX-512."""
     shim = ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL)
+    shim.mlxpipe_qgemv_avx2(int(avx2))
+    shim.mlxpipe_qgemm_max_rows(gemv.MAX_ROWS)  # (one dlopen'd copy a path: an earlier test may have set it)
     if quantized and not shim.mlxpipe_qgemv_available():
-        pytest.skip("the quantized kernels need AVX-512")
+        pytest.skip("the quantized kernels need AVX-512 or AVX2")
     assert shim.mlxpipe_gemv_init(
         ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
     )
     return shim
+
+
+@pytest.fixture(params=[False, True], ids=["best-kernels", "avx2-kernels"])
+def avx2(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Each quantized test twice: with the best kernels this CPU has, and with the AVX2 ones (on a CPU
+    without AVX-512 the same ones); the library is left on the best after."""
+    yield bool(request.param)
+    ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL).mlxpipe_qgemv_avx2(0)
 
 
 @pytest.fixture
@@ -228,8 +240,8 @@ def _quantized(rng: Any, n: int, k: int, bits: int, group: int = 32) -> tuple[np
     return weight, packed, scales, biases
 
 
-def test_quantized_rows_match_numpy_and_fall_back_when_they_cannot(openblas: Any) -> None:
-    shim = _own_shim(openblas, quantized=True)
+def test_quantized_rows_match_numpy_and_fall_back_when_they_cannot(openblas: Any, avx2: bool) -> None:
+    shim = _own_shim(openblas, quantized=True, avx2=avx2)
     shim.mlxpipe_qgemv_calls.restype = ctypes.c_long
     ptr = ctypes.c_void_p
     rng = np.random.default_rng(11)
@@ -271,8 +283,10 @@ def test_quantized_rows_match_numpy_and_fall_back_when_they_cannot(openblas: Any
     assert not shim.mlxpipe_qgemv_register(ptr(1), 10, 64, 3, 32, ptr(1), ptr(1), ptr(1))  # 3 bits: no kernel
 
 
-def test_one_row_products_shared_with_the_helper_are_the_ones_computed_alone(openblas: Any) -> None:
-    shim = _own_shim(openblas, quantized=True)
+def test_one_row_products_shared_with_the_helper_are_the_ones_computed_alone(
+    openblas: Any, avx2: bool
+) -> None:
+    shim = _own_shim(openblas, quantized=True, avx2=avx2)
     shim.mlxpipe_qgemv_shared_min.argtypes = [ctypes.c_long]
     ptr = ctypes.c_void_p
     rng = np.random.default_rng(12)
@@ -353,8 +367,8 @@ def test_the_embedded_models_one_row_products_read_its_quantized_weights(engine:
     assert mx.argmax(quantized).item() == mx.argmax(plain).item()
 
 
-def test_quantized_products_of_several_rows_match_numpy(openblas: Any) -> None:
-    shim = _own_shim(openblas, quantized=True)
+def test_quantized_products_of_several_rows_match_numpy(openblas: Any, avx2: bool) -> None:
+    shim = _own_shim(openblas, quantized=True, avx2=avx2)
     shim.mlxpipe_qgemm_calls.restype = ctypes.c_long
     ptr = ctypes.c_void_p
     rng = np.random.default_rng(13)

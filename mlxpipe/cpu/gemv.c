@@ -96,8 +96,9 @@ static const qmat *lookup(const float *w, int n, int k) {
 }
 
 #ifdef X86_AVX512
-/* y[r] = sum_j W[r,j] x[j], W[r,j] = scale[r,g] * q[r,j] + bias[r,g] for j in group g; with AVX-512 (the
- * plain C version the compiler made was slower than sgemv on float32: only AVX-512 machines register).
+/* y[r] = sum_j W[r,j] x[j], W[r,j] = scale[r,g] * q[r,j] + bias[r,g] for j in group g; with AVX-512, or
+ * AVX2 below (the plain C version the compiler made was slower than sgemv on float32: only machines with
+ * one of the two register).
  * Two rows at a time, each sum in its own registers: a multiply-add waits ~4 cycles for the one before
  * it on the same sum, so one row alone kept the core waiting (an array of sums indexed by group, as
  * before, went through memory: half the speed). And the quantized bytes are fetched 8 KB ahead: read
@@ -288,6 +289,200 @@ __attribute__((target("avx512f,avx512bw,fma"))) static void span(const qmat *m, 
     else span_group(m, m->group, x, xsum, rows, r0, r1, c, ldc);
 }
 
+/* ---- the same kernels with AVX2 (8 lanes), for x86-64 CPUs without AVX-512 -----------------------------
+ * Each weight is dequantized as the AVX-512 kernels' table holds it, fma(q, scale, bias), and summed in the
+ * same pattern per lane; a row of several (block*_avx2) gets the very sums the one-row kernels give it. */
+__attribute__((target("avx2,fma"), always_inline)) static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#define ROWS4_STEP2(q, s, b, lo, hi)                                                                         \
+    do {                                                                                                      \
+        __m256 sc_ = _mm256_set1_ps((s)[g]), bi_ = _mm256_set1_ps((b)[g]);                                   \
+        if ((g & 3) == 0) _mm_prefetch((const char *)((q) + g * half) + PREFETCH, _MM_HINT_T0);            \
+        for (int j = 0; j < half; j += 8) {                                                                   \
+            __m256i w_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((q) + g * half + j)));       \
+            __m256 wl_ = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w_, nib)), sc_, bi_);          \
+            __m256 wh_ = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w_, 4)), sc_, bi_);           \
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(xe + g * half + j), wl_, lo);                                \
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(xo + g * half + j), wh_, hi);                                \
+        }                                                                                                     \
+    } while (0)
+
+__attribute__((target("avx2,fma"))) static void rows4_avx2(const qmat *m, const float *xe, const float *xo,
+                                                          int r0, int r1, float *y) {
+    int group = m->group, groups = m->k / group, half = group / 2;
+    long stride = m->k / 2;
+    const __m256i nib = _mm256_set1_epi32(15);
+    int r = r0;
+    for (; r + 1 < r1; r += 2) {
+        const uint8_t *q0 = m->q + r * stride, *q1 = q0 + stride;
+        const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
+        __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
+        for (int g = 0; g < groups; g++) {
+            ROWS4_STEP2(q0, s0, b0, lo0, hi0);
+            ROWS4_STEP2(q1, s0 + groups, b0 + groups, lo1, hi1);
+        }
+        y[r] = hsum8(_mm256_add_ps(lo0, hi0));
+        y[r + 1] = hsum8(_mm256_add_ps(lo1, hi1));
+    }
+    if (r < r1) {
+        const uint8_t *q0 = m->q + r * stride;
+        const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
+        __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0;
+        for (int g = 0; g < groups; g++) ROWS4_STEP2(q0, s0, b0, lo0, hi0);
+        y[r] = hsum8(_mm256_add_ps(lo0, hi0));
+    }
+}
+
+#define ROWS8_STEP2(q, s, b, sum, bias)                                                                      \
+    do {                                                                                                      \
+        __m256 v_ = _mm256_setzero_ps();                                                                      \
+        for (int j = 0; j < group; j += 8) {                                                                  \
+            __m256i w_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((q) + g * group + j)));      \
+            v_ = _mm256_fmadd_ps(_mm256_loadu_ps(x + g * group + j), _mm256_cvtepi32_ps(w_), v_);            \
+        }                                                                                                     \
+        if ((g & 1) == 0) _mm_prefetch((const char *)((q) + g * group) + PREFETCH, _MM_HINT_T0);           \
+        sum = _mm256_fmadd_ps(v_, _mm256_set1_ps((s)[g]), sum);                                               \
+        bias += (b)[g] * xsum[g];                                                                             \
+    } while (0)
+
+__attribute__((target("avx2,fma"))) static void rows8_avx2(const qmat *m, const float *x, const float *xsum,
+                                                          int r0, int r1, float *y) {
+    int group = m->group, groups = m->k / group;
+    long stride = m->k;
+    int r = r0;
+    for (; r + 1 < r1; r += 2) {
+        const uint8_t *q0 = m->q + r * stride, *q1 = q0 + stride;
+        const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
+        __m256 sum0 = _mm256_setzero_ps(), sum1 = sum0;
+        float bias0 = 0, bias1 = 0;
+        for (int g = 0; g < groups; g++) {
+            ROWS8_STEP2(q0, s0, b0, sum0, bias0);
+            ROWS8_STEP2(q1, s0 + groups, b0 + groups, sum1, bias1);
+        }
+        y[r] = hsum8(sum0) + bias0;
+        y[r + 1] = hsum8(sum1) + bias1;
+    }
+    if (r < r1) {
+        const uint8_t *q0 = m->q + r * stride;
+        const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
+        __m256 sum0 = _mm256_setzero_ps();
+        float bias0 = 0;
+        for (int g = 0; g < groups; g++) ROWS8_STEP2(q0, s0, b0, sum0, bias0);
+        y[r] = hsum8(sum0) + bias0;
+    }
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+block4_avx2(const qmat *m, const float *x, int rows, int r, float *c, int ldc) {
+    int group = m->group, groups = m->k / group, half = group / 2, k = m->k, k2 = k / 2;
+    const uint8_t *q0 = m->q + (long)r * (k / 2);
+    const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
+    const __m256i nib = _mm256_set1_epi32(15);
+    __m256 lo[MB], hi[MB];
+    _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m256 sc = _mm256_set1_ps(s0[g]), bi = _mm256_set1_ps(b0[g]);
+        if ((g & 3) == 0) _mm_prefetch((const char *)(q0 + g * half) + PREFETCH, _MM_HINT_T0);
+        for (int j = g * half; j < g * half + half; j += 8) {
+            __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q0 + j)));
+            __m256 wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w, nib)), sc, bi);
+            __m256 wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4)), sc, bi);
+            _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) {
+                lo[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (long)i * k + j), wl, lo[i]);
+                hi[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (long)i * k + k2 + j), wh, hi[i]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) c[(long)i * ldc + r] =
+        hsum8(_mm256_add_ps(lo[i], hi[i]));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+block8_avx2(const qmat *m, const float *x, const float *xsum, int rows, int r, float *c, int ldc) {
+    int group = m->group, groups = m->k / group, k = m->k;
+    const uint8_t *q0 = m->q + (long)r * k;
+    const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
+    __m256 sum[MB];
+    float bias[MB];
+    _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) sum[i] = _mm256_setzero_ps(), bias[i] = 0;
+    for (int g = 0; g < groups; g++) {
+        __m256 v[MB];
+        _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) v[i] = _mm256_setzero_ps();
+        for (int j = g * group; j < g * group + group; j += 8) {
+            __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q0 + j))));
+            _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) v[i] =
+                _mm256_fmadd_ps(_mm256_loadu_ps(x + (long)i * k + j), w, v[i]);
+        }
+        if ((g & 1) == 0) _mm_prefetch((const char *)(q0 + g * group) + PREFETCH, _MM_HINT_T0);
+        __m256 sc = _mm256_set1_ps(s0[g]);
+        _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) {
+            sum[i] = _mm256_fmadd_ps(v[i], sc, sum[i]);
+            bias[i] += b0[g] * xsum[(long)i * groups + g];
+        }
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) c[(long)i * ldc + r] = hsum8(sum[i]) + bias[i];
+}
+
+#define BLOCKS2(rows_)                                                                                        \
+    for (int r = r0; r < r1; r++)                                                                             \
+        if (m->bits == 4) block4_avx2(m, x, rows_, r, c, ldc);                                                \
+        else block8_avx2(m, x, xsum, rows_, r, c, ldc)
+
+__attribute__((target("avx2,fma"))) static void span_avx2(const qmat *m, const float *x, const float *xsum,
+                                                         int rows, int r0, int r1, float *c, int ldc) {
+    switch (rows) { /* a constant count of rows: their sums stay in registers */
+    case 8: BLOCKS2(8); break;
+    case 7: BLOCKS2(7); break;
+    case 6: BLOCKS2(6); break;
+    case 5: BLOCKS2(5); break;
+    case 4: BLOCKS2(4); break;
+    case 3: BLOCKS2(3); break;
+    case 2: BLOCKS2(2); break;
+    default: BLOCKS2(1); break;
+    }
+}
+
+/* Which kernels run: 2 AVX-512, 1 AVX2 (also where AVX-512 is, when asked: tests), 0 none. */
+static int isa = -1;
+static int avx2_forced;
+
+static int kernels(void) {
+    if (isa < 0) {
+        int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("fma");
+        int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        isa = avx512 && !avx2_forced ? 2 : avx2 ? 1 : 0;
+    }
+    return isa;
+}
+
+/* 1: the AVX2 kernels even where AVX-512 is (tests); call before registering any matrix. */
+void mlxpipe_qgemv_avx2(int on) {
+    avx2_forced = on;
+    isa = -1;
+}
+
+static void rows4(const qmat *m, const float *xe, const float *xo, int r0, int r1, float *y) {
+    if (kernels() == 2) rows4_avx512(m, xe, xo, r0, r1, y);
+    else rows4_avx2(m, xe, xo, r0, r1, y);
+}
+
+static void rows8(const qmat *m, const float *x, const float *xsum, int r0, int r1, float *y) {
+    if (kernels() == 2) rows8_avx512(m, x, xsum, r0, r1, y);
+    else rows8_avx2(m, x, xsum, r0, r1, y);
+}
+
+static void span_any(const qmat *m, const float *x, const float *xsum, int rows, int r0, int r1, float *c,
+                     int ldc) {
+    if (kernels() == 2) span(m, x, xsum, rows, r0, r1, c, ldc);
+    else span_avx2(m, x, xsum, rows, r0, r1, c, ldc);
+}
+
 /* ---- the same products on AMX tiles (bfloat16), where the CPU has them ---------------------------------
  * Past ~16 rows the float32 kernels above are compute-bound. AMX multiplies 16x32 bfloat16 tiles in one
  * instruction: a tile of 16 rows of W (their quantized values q, exact in bfloat16) by one of x for 16 rows
@@ -303,7 +498,7 @@ static int amx_usable(void) {
     unsigned a, b, c, d, a1 = 0, b1, c1, d1;
     int ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1) && /* AMX-TILE, -BF16 */
              __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && (a1 >> 5 & 1) &&               /* AVX512_BF16 */
-             mlxpipe_qgemv_available();
+             kernels() == 2;
     /* Linux hands a process the tiles' state only when asked (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
     if (ok) ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
     amx_state = ok ? 1 : -1;
@@ -560,7 +755,7 @@ amx_rows(const qmat *m, const uint8_t *xt, const float *xs, int blocks, int M, f
 /* Whether this machine has the kernels above: only then is registering worth it. */
 int mlxpipe_qgemv_available(void) {
 #ifdef X86_AVX512
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("fma");
+    return kernels() > 0;
 #else
     return 0;
 #endif
@@ -642,7 +837,7 @@ static int qgemm_rows(const qmat *m, int M, const float *a, int lda, float *c, i
                 }
             }
         }
-        span(m, scratch, xsum, rows, r0, r1, c + (long)i0 * ldc, ldc);
+        span_any(m, scratch, xsum, rows, r0, r1, c + (long)i0 * ldc, ldc);
     }
     return 1;
 }
@@ -681,8 +876,8 @@ static int work(job_t *j) {
     int count = 0;
     for (int s; (s = atomic_fetch_add(&j->next, 1)) < j->stretches; count++) {
         int r0 = s * j->stretch, r1 = r0 + j->stretch < j->m->n ? r0 + j->stretch : j->m->n;
-        if (j->one_row && j->m->bits == 4) rows4_avx512(j->m, j->xe, j->xo, r0, r1, j->c);
-        else if (j->one_row) rows8_avx512(j->m, j->xe, j->xsum, r0, r1, j->c);
+        if (j->one_row && j->m->bits == 4) rows4(j->m, j->xe, j->xo, r0, r1, j->c);
+        else if (j->one_row) rows8(j->m, j->xe, j->xsum, r0, r1, j->c);
         else if (j->xt ? !amx_rows(j->m, j->xt, j->xs, j->blocks, j->M, j->c, j->ldc, r0, r1)
                        : !qgemm_rows(j->m, j->M, j->a, j->lda, j->c, j->ldc, r0, r1))
             atomic_store(&j->failed, 1);
@@ -847,6 +1042,14 @@ static int attention_portable; /* 1: the portable loops even where the AVX-512 k
 
 long mlxpipe_attention_calls(void) { return attention_calls; }
 void mlxpipe_attention_portable(int on) { attention_portable = on; }
+/* Whether attention's kernels run here (AVX-512): elsewhere the portable loops are slower than mlx's. */
+int mlxpipe_attention_available(void) {
+#ifdef X86_AVX512
+    return kernels() == 2;
+#else
+    return 0;
+#endif
+}
 
 static float exp_scalar(float x) {
     float y = fminf(fmaxf(x * 1.442695f, -127.0f), 128.0f); /* clamped: no overflow below (mlx's range) */
@@ -1031,7 +1234,7 @@ __attribute__((target("avx512f,fma"))) static void scores_avx512(int m, int n, i
 static void attention_scores(int m, int n, int k, const float *a, int lda, const float *b, int ldb, float *c,
                              int ldc) {
 #ifdef X86_AVX512
-    if (!attention_portable && mlxpipe_qgemv_available()) {
+    if (!attention_portable && kernels() == 2) {
         scores_avx512(m, n, k, a, lda, b, ldb, c, ldc);
         attention_calls++;
         return;
@@ -1052,7 +1255,7 @@ static int attention_product(int m, int n, int k, const float *a, int lda, const
     float *e = attention_scratch(4 * k);
     if (!e) return 0;
 #ifdef X86_AVX512
-    if (!attention_portable && mlxpipe_qgemv_available()) {
+    if (!attention_portable && kernels() == 2) {
         for (int i = 0; i < m; i += 4) {
             int rows = m - i < 4 ? m - i : 4;
             for (int r = 0; r < rows; r++) weights_avx512(a + (long)(i + r) * lda, k, e + (long)r * k);
@@ -1097,8 +1300,8 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
         shared = 0;
     }
     if (!shared) {
-        if (m->bits == 4) rows4_avx512(m, xe, xo, 0, n, c);
-        else rows8_avx512(m, xe, xsum, 0, n, c);
+        if (m->bits == 4) rows4(m, xe, xo, 0, n, c);
+        else rows8(m, xe, xsum, 0, n, c);
         return;
     }
     long row_bytes = (long)m->k * m->bits / 8 + 2L * (m->k / m->group) * sizeof(float);

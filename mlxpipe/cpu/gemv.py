@@ -10,7 +10,7 @@ later runs do not pay for it again; a new compiler or a changed source tries aga
 Installed by :mod:`mlxpipe.cpu.blas`, before mlx is imported; imports nothing from mlx.
 
 A float32 weight matrix that was dequantized from mlx's 4- or 8-bit form can be :func:`attach`-ed to that
-form (by the engine): one-row products by it then read the quantized bytes, on machines with AVX-512, and so
+form (by the engine): one-row products by it then read the quantized bytes, on machines with AVX-512 or AVX2, and so
 do products of several rows (``--batch`` decode steps, prompts), each row summed exactly as the one-row
 kernels sum it alone (so a record's numbers do not depend on its neighbours, nor on how its prompt is cut).
 ``MLXPIPE_QGEMM=off`` keeps those several-row products on the BLAS. Where the CPU has AMX (bfloat16 tiles),
@@ -261,7 +261,7 @@ def attention_available() -> bool:
     alpha is :data:`SCORES_ALPHA` computes ``a @ b.T`` (each sum in one order: attention's scores) and one
     whose alpha is :data:`SOFTMAX_ALPHA` computes ``softmax(a) @ b`` (its weights times the values);
     float32. (Elsewhere its portable loops would be slower than mx.fast's fallback.)"""
-    return quantized_available()
+    return _shim is not None and bool(_shim.mlxpipe_attention_available())
 
 
 def attention_calls() -> int:
