@@ -10,9 +10,10 @@ later runs do not pay for it again; a new compiler or a changed source tries aga
 Installed by :mod:`mlxpipe.cpu.blas`, before mlx is imported; imports nothing from mlx.
 
 A float32 weight matrix that was dequantized from mlx's 4- or 8-bit form can be :func:`attach`-ed to that
-form (by the engine): one-row products by it then read the quantized bytes, on machines with AVX-512 or AVX2, and so
-do products of several rows (``--batch`` decode steps, prompts), each row summed exactly as the one-row
-kernels sum it alone (so a record's numbers do not depend on its neighbours, nor on how its prompt is cut).
+form (by the engine): one-row products by it then read the quantized bytes, on machines with AVX-512 or
+AVX2, and so do products of several rows (``--batch`` decode steps, prompts), each row summed exactly as the
+one-row kernels sum it alone (so a record's numbers do not depend on its neighbours, nor on how its prompt
+is cut).
 ``MLXPIPE_QGEMM=off`` keeps those several-row products on the BLAS. Where the CPU has AMX (bfloat16 tiles),
 products of ``AMX_ROWS`` rows or more use it instead: a row's sums then still depend on that row alone, but
 are added in another order than the one-row kernels add them (the last bits can differ from ``--batch 1``'s);
