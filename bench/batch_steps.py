@@ -46,7 +46,10 @@ def use(setting: str, b: int, model: Any = None) -> None:
     for layer in getattr(model, "layers", []):
         attention = layer.self_attn
         plain = type(attention).__dict__.get("_plain", type(attention))
-        attention.__class__ = plain if setting == "sdpa" else layers._fast_attention(plain)
+        fused = layers.FUSED in attention.__dict__
+        cpu_attention = gemv.attention_available()
+        fast = layers._fast_attention(plain, fused, cpu_attention)
+        attention.__class__ = plain if setting == "sdpa" else fast
     setting = "amx" if setting == "sdpa" else setting
 
     gemv._shim.mlxpipe_qgemm_max_rows(0 if setting.startswith("blas") else gemv.MAX_ROWS)
