@@ -470,3 +470,46 @@ def test_amx_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -
             ptr(biases.ctypes.data),
         )  # fmt: skip
         assert (product(w, x)[5] == product(w, x[5:6])[0]).all()
+
+
+def test_avx2_gemm_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -> None:
+    # Products of 16 rows or more with the AVX2 kernels: a GEMM on W's dequantized rows (on a CPU with
+    # AVX-512 too, where the AVX2 kernels are asked for).
+    shim = _own_shim(openblas, quantized=True, avx2=True)
+    shim.mlxpipe_qgemm_calls.restype = ctypes.c_long
+    ptr = ctypes.c_void_p
+    rng = np.random.default_rng(19)
+
+    def product(w: np.ndarray, x: np.ndarray, alpha: float = 1.0) -> np.ndarray:
+        (n, k), m = w.shape, x.shape[0]
+        c = np.full((m, n + 3), 7.0, np.float32)
+        before = shim.mlxpipe_qgemm_calls()
+        shim.cblas_sgemm(
+            ROW_MAJOR, NO_TRANS, TRANS, m, n, k, ctypes.c_float(alpha), ptr(x.ctypes.data), x.strides[0] // 4,
+            ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(c.ctypes.data), n + 3,
+        )  # fmt: skip
+        assert shim.mlxpipe_qgemm_calls() > before  # from the quantized bytes, not the BLAS
+        assert (c[:, n:] == 7.0).all()  # nothing written past each row
+        return c[:, :n]
+
+    # Partial tiles of 6 rows of W and of 16 of A; 4 and 8 bits; groups of 32 and 64; the helper or not;
+    # 300 rows: chunks of 64.
+    shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
+    for (n, k, bits, group), threads in itertools.product(shapes, [1, 2]):
+        shim.mlxpipe_qgemm_threads(threads)
+        w, packed, scales, biases = _quantized(rng, n, k, bits, group)
+        assert shim.mlxpipe_qgemv_register(
+            ptr(w.ctypes.data), n, k, bits, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
+            ptr(biases.ctypes.data),
+        )  # fmt: skip
+        x = rng.standard_normal((300, k + 5)).astype(np.float32)[:, :k]  # a row stride other than k
+        first = None
+        for m in [16, 17, 64, 300]:
+            want = 0.5 * (x[:m].astype(np.float64) @ w.T.astype(np.float64))
+            together = product(w, x[:m], 0.5)
+            np.testing.assert_allclose(together, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+            first = together[:16] if first is None else first
+            assert (together[:16] == first).all()  # the same rows, whatever the rows beside them
+        order = rng.permutation(20)  # and wherever they stand
+        moved = product(w, np.ascontiguousarray(x[order]), 0.5)
+        assert (moved[np.argsort(order)][:16] == first).all()

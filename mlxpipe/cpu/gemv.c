@@ -484,6 +484,102 @@ static void span_any(const qmat *m, const float *x, const float *xsum, int rows,
     else span_avx2(m, x, xsum, rows, r0, r1, c, ldc);
 }
 
+/* ---- AVX2, 16 rows or more: a GEMM on W's rows dequantized six at a time -------------------------------
+ * The kernels above load a row of A for every multiply-add; here A is transposed once a product (k x M, its
+ * columns in the kernels' order: for 4 bits the even ones, then the odd ones), six rows of W are dequantized
+ * into L1 (fma(q, scale, bias), the weights every kernel uses), and a tile of 6 rows of W by 16 of A keeps 12
+ * sums in registers: 12 multiply-adds for 2 loads and 6 broadcasts. Each sum runs over k in one order,
+ * whatever the tile: a row's results depend on that row alone, but are added in another order than the
+ * one-row kernels add them (the last bits can differ from --batch 1's, as on AMX). */
+enum { GEMM_W = 6, GEMM_A = 16, GEMM_MIN_ROWS = 16, GEMM_CHUNK = 64 };
+
+static void gemm_pack(const qmat *m, int M, const float *a, int lda, float *at, int mpad) {
+    int k = m->k, k2 = k / 2;
+    for (int j = 0; j < k; j++) {
+        int src = m->bits == 4 ? (j < k2 ? 2 * j : 2 * (j - k2) + 1) : j;
+        float *row = at + (long)j * mpad;
+        for (int i = 0; i < M; i++) row[i] = a[(long)i * lda + src];
+        for (int i = M; i < mpad; i++) row[i] = 0.0f;
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void gemm_weights(const qmat *m, int r, int rows, float *w) {
+    int k = m->k, group = m->group, groups = k / group, half = group / 2, k2 = k / 2;
+    const __m256i nib = _mm256_set1_epi32(15);
+    for (int i = 0; i < rows; i++) {
+        const float *s = m->scales + (long)(r + i) * groups, *b = m->biases + (long)(r + i) * groups;
+        float *wi = w + (long)i * k;
+        if (m->bits == 4) {
+            const uint8_t *q = m->q + (long)(r + i) * k2;
+            for (int j = 0; j < k2; j += 8) {
+                __m256 sc = _mm256_set1_ps(s[j / half]), bi = _mm256_set1_ps(b[j / half]);
+                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)));
+                _mm256_storeu_ps(wi + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, nib)), sc, bi));
+                _mm256_storeu_ps(wi + k2 + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), sc, bi));
+            }
+        } else {
+            const uint8_t *q = m->q + (long)(r + i) * k;
+            for (int j = 0; j < k; j += 8) {
+                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)));
+                _mm256_storeu_ps(wi + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s[j / group]),
+                                                         _mm256_set1_ps(b[j / group])));
+            }
+        }
+    }
+}
+
+/* c[i0 + l][r + rr] for rr < R, l < cols: W's rows in w (R x k) times at's columns i0 .. i0 + 16. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+gemm_tile(const int R, const float *w, int k, const float *at, int mpad, int i0, int cols, float *c, int ldc,
+          int r) {
+    __m256 acc[GEMM_W][2];
+    _Pragma("GCC unroll 6") for (int rr = 0; rr < R; rr++) acc[rr][0] = acc[rr][1] = _mm256_setzero_ps();
+    const float *ap = at + i0;
+    for (int j = 0; j < k; j++, ap += mpad) {
+        __m256 a0 = _mm256_loadu_ps(ap), a1 = _mm256_loadu_ps(ap + 8);
+        _Pragma("GCC unroll 6") for (int rr = 0; rr < R; rr++) {
+            __m256 wv = _mm256_broadcast_ss(w + (long)rr * k + j);
+            acc[rr][0] = _mm256_fmadd_ps(wv, a0, acc[rr][0]);
+            acc[rr][1] = _mm256_fmadd_ps(wv, a1, acc[rr][1]);
+        }
+    }
+    float out[GEMM_A];
+    _Pragma("GCC unroll 6") for (int rr = 0; rr < R; rr++) {
+        _mm256_storeu_ps(out, acc[rr][0]);
+        _mm256_storeu_ps(out + 8, acc[rr][1]);
+        for (int l = 0; l < cols; l++) c[(long)(i0 + l) * ldc + r + rr] = out[l];
+    }
+}
+
+#define GEMM_TILES(R_)                                                                                        \
+    for (int i0 = 0; i0 < M; i0 += GEMM_A) gemm_tile(R_, w, k, at, mpad, i0, M - i0 < GEMM_A ? M - i0 : GEMM_A, c, ldc, r)
+
+/* Rows [r0, r1) of c^T: W's rows six at a time against every column of at (M of them, mpad apart). */
+__attribute__((target("avx2,fma"))) static int gemm_rows_avx2(const qmat *m, const float *at, int mpad, int M,
+                                                             float *c, int ldc, int r0, int r1) {
+    static __thread float *w;
+    static __thread long w_len;
+    int k = m->k;
+    if ((long)GEMM_W * k > w_len) {
+        float *grown = realloc(w, (long)GEMM_W * k * sizeof(float));
+        if (!grown) return 0;
+        w = grown, w_len = (long)GEMM_W * k;
+    }
+    for (int r = r0; r < r1; r += GEMM_W) {
+        int rows = r1 - r < GEMM_W ? r1 - r : GEMM_W;
+        gemm_weights(m, r, rows, w);
+        switch (rows) { /* a constant count of W's rows: their sums stay in registers */
+        case 6: GEMM_TILES(6); break;
+        case 5: GEMM_TILES(5); break;
+        case 4: GEMM_TILES(4); break;
+        case 3: GEMM_TILES(3); break;
+        case 2: GEMM_TILES(2); break;
+        default: GEMM_TILES(1); break;
+        }
+    }
+    return 1;
+}
+
 /* ---- the same products on AMX tiles (bfloat16), where the CPU has them ---------------------------------
  * Past ~16 rows the float32 kernels above are compute-bound. AMX multiplies 16x32 bfloat16 tiles in one
  * instruction: a tile of 16 rows of W (their quantized values q, exact in bfloat16) by one of x for 16 rows
@@ -852,6 +948,8 @@ typedef struct {
     float *c;
     int M, lda, ldc, stretch, stretches;
     const uint8_t *xt; /* A packed for AMX (amx_pack), or null: the float32 kernels */
+    const float *at;   /* A transposed for the AVX2 GEMM (gemm_pack), or null */
+    int mpad;          /* at's row length */
     const float *xs;
     int blocks;
     const float *xe, *xo, *xsum; /* a one-row product's x as qgemv prepares it, when one_row */
@@ -879,8 +977,9 @@ static int work(job_t *j) {
         int r0 = s * j->stretch, r1 = r0 + j->stretch < j->m->n ? r0 + j->stretch : j->m->n;
         if (j->one_row && j->m->bits == 4) rows4(j->m, j->xe, j->xo, r0, r1, j->c);
         else if (j->one_row) rows8(j->m, j->xe, j->xsum, r0, r1, j->c);
-        else if (j->xt ? !amx_rows(j->m, j->xt, j->xs, j->blocks, j->M, j->c, j->ldc, r0, r1)
-                       : !qgemm_rows(j->m, j->M, j->a, j->lda, j->c, j->ldc, r0, r1))
+        else if (j->at ? !gemm_rows_avx2(j->m, j->at, j->mpad, j->M, j->c, j->ldc, r0, r1)
+                 : j->xt ? !amx_rows(j->m, j->xt, j->xs, j->blocks, j->M, j->c, j->ldc, r0, r1)
+                         : !qgemm_rows(j->m, j->M, j->a, j->lda, j->c, j->ldc, r0, r1))
             atomic_store(&j->failed, 1);
         atomic_fetch_add(&j->done, 1);
         if (atomic_load(&j->sleeping)) futex(&j->done, FUTEX_WAKE_PRIVATE, 1);
@@ -968,6 +1067,14 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
                 return 0;
         return 1;
     }
+    int gemm = kernels() == 1 && M >= GEMM_MIN_ROWS;
+    if (gemm && M > GEMM_CHUNK) { /* at stays in L2 (a prompt's product can have thousands of rows) */
+        for (int i0 = 0; i0 < M; i0 += GEMM_CHUNK)
+            if (!qgemm(m, M - i0 < GEMM_CHUNK ? M - i0 : GEMM_CHUNK, a + (long)i0 * lda, lda, alpha,
+                       c + (long)i0 * ldc, ldc))
+                return 0;
+        return 1;
+    }
     int n = m->n;
     long row_bytes = (long)m->k * m->bits / 8 + 2L * (m->k / m->group) * sizeof(float);
     int stretch = (int)(CHUNK / row_bytes);
@@ -1002,6 +1109,20 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
             stretch = stretch < 32 ? 32 : stretch / 32 * 32; /* whole pairs of tiles of W */
         }
     }
+    const float *at = 0;
+    int mpad = (M + GEMM_A - 1) / GEMM_A * GEMM_A;
+    if (gemm) { /* A transposed once for every stretch, of both threads */
+        static __thread float *transposed;
+        static __thread long transposed_len;
+        long need = (long)m->k * mpad;
+        if (need > transposed_len) {
+            float *grown = realloc(transposed, need * sizeof(float));
+            if (!grown) return 0;
+            transposed = grown, transposed_len = need;
+        }
+        gemm_pack(m, M, a, lda, transposed, mpad);
+        at = transposed;
+    }
     job_t mine = {.m = m, .a = a, .c = c, .M = M, .lda = lda, .ldc = ldc, .stretch = stretch};
     job_t *j = shared ? &job : &mine;
     if (shared) {
@@ -1010,6 +1131,7 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
     j->xt = xt, j->xs = xs, j->blocks = blocks;
     j->stretches = (n + stretch - 1) / stretch;
     j->one_row = 0;
+    j->at = at, j->mpad = mpad;
     if (shared && !run_shared(j)) alone_for = ALONE, alone_spells++;
     else if (!shared) work(j);
     int failed = atomic_load(&j->failed);
@@ -1310,7 +1432,7 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
     if (n / 16 + 1 < stretch) stretch = n / 16 + 1; /* about 8 stretches a thread, for balance */
     stretch = stretch < 2 ? 2 : stretch & ~1;        /* whole pairs of rows, as the kernels take them */
     job_t *j = &job;
-    j->m = m, j->c = c, j->xe = xe, j->xo = xo, j->xsum = xsum, j->one_row = 1, j->xt = 0;
+    j->m = m, j->c = c, j->xe = xe, j->xo = xo, j->xsum = xsum, j->one_row = 1, j->xt = 0, j->at = 0;
     j->stretch = stretch, j->stretches = (n + stretch - 1) / stretch;
     /* a helper that made the caller wait, or took under a quarter, is left out for a while: beside a busy
      * process it may get no core, or lose it in a stretch (as the several-row products' rule) */
