@@ -81,12 +81,25 @@ def run_cli(
 
 @pytest.fixture(scope="session")
 def batch_is_exact() -> bool:
-    """Whether ``--batch`` answers match one-at-a-time answers bit for bit: on a CPU they do. On CUDA,
-    ``--batch`` computes with 16-bit weights and the sequential path in quantized kernels; batched and single
-    matmuls round differently there, so greedy texts can part after a few words (seen on an H200)."""
+    """Whether ``--batch`` answers match one-at-a-time answers: on a CPU they do (where AMX or the AVX2
+    GEMM sums products of 16+ rows in another order than one row's, the short greedy texts tested still
+    match). On CUDA, ``--batch`` computes with 16-bit weights and the sequential path in quantized kernels;
+    batched and single matmuls round differently there, so greedy texts can part after a few words (seen on
+    an H200)."""
     r = run_cli(["--model-info", "--batch", "4"])
     assert r.returncode == 0, r.stderr
     return bool(json.loads(r.stdout)["device"].startswith("Device(cpu"))
+
+
+def blas_runs_here(source: str, path: str) -> bool:
+    """Whether the BLAS library at ``path`` loads and runs on this CPU, as mlxpipe.cpu.blas judges it."""
+    from mlxpipe.cpu import blas
+
+    try:
+        blas.opened(source, path)
+    except OSError:
+        return False
+    return True
 
 
 def start_cli(args: list[str]) -> subprocess.Popen[bytes]:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env, run_cli
+from conftest import REPO, blas_runs_here, cli_env, run_cli
 
 from mlxpipe.cpu import blas
 from mlxpipe.paths import cache_dir
@@ -65,14 +65,6 @@ def test_help_and_version_need_no_backend(tmp_path: Path) -> None:
         assert r.returncode == 0 and r.stderr == b"" and r.stdout
 
 
-def _opens(source: str, path: str) -> bool:
-    try:
-        blas.opened(source, path)
-    except OSError:
-        return False
-    return True
-
-
 def _fast_blas_expected() -> bool:
     """Whether this machine loads an optimized BLAS in front of mlx (a Linux CPU with one installed)."""
     return sys.platform == "linux" and bool(blas._candidates()) and blas._cuda_backend() is None
@@ -97,7 +89,7 @@ def test_a_slow_path_is_said_once_when_a_run_starts_and_not_with_quiet(tmp_path:
     assert r.returncode == 0, r.stderr
     assert r.stdout.count(b"\n") == 2
     cause = "cc failed: gemv.c:1: error: no stdint.h; it is tried again once the compiler or mlxpipe changes"
-    runs_here = [source for source, path in blas._candidates() if _opens(source, path)]
+    runs_here = [source for source, path in blas._candidates() if blas_runs_here(source, path)]
     if runs_here and runs_here[0] in blas._PREFIXES:  # scipy-openblas32 (a CPU without AVX-512)
         # Its functions are reached only through the kernels' library: without it, no optimized BLAS.
         warning = (

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import REPO, cli_env
+from conftest import REPO, blas_runs_here, cli_env
 
 from mlxpipe.cpu import blas, gemv
 
@@ -161,21 +161,13 @@ def test_mlx_products_are_right_with_and_without_forwarding(setting: str) -> Non
     out = json.loads(r.stdout)
     assert out["worst"] < 1e-3
     loads_blas = bool(blas._candidates()) and sys.platform == "linux" and blas._cuda_backend() is None
-    runs_here = [source for source, path in blas._candidates() if _opens(source, path)]
+    runs_here = [source for source, path in blas._candidates() if blas_runs_here(source, path)]
     if setting == "off" and loads_blas:  # (on CUDA no BLAS is loaded, so there is nothing to put gemv before)
         # A library whose functions carry a prefix (scipy-openblas32) is reached only through the forwarding.
         prefixed = bool(runs_here) and runs_here[0] in blas._PREFIXES
         assert out["gemv"] == (None if prefixed else "off (MLXPIPE_GEMV=off)")
     elif loads_blas and runs_here:
         assert out["gemv"] == gemv.FORWARDING
-
-
-def _opens(source: str, path: str) -> bool:
-    try:
-        blas.opened(source, path)
-    except OSError:
-        return False
-    return True
 
 
 def test_without_a_compiler_nothing_is_forwarded(
@@ -367,23 +359,27 @@ def test_the_embedded_models_one_row_products_read_its_quantized_weights(engine:
     assert mx.argmax(quantized).item() == mx.argmax(plain).item()
 
 
+def _product(shim: Any, w: np.ndarray, x: np.ndarray, alpha: float = 1.0) -> tuple[np.ndarray, bool]:
+    """alpha x w^T through the shim (c wider than n: nothing may be written past a row); whether the
+    quantized kernels computed it."""
+    (n, k), m = w.shape, x.shape[0]
+    c = np.full((m, n + 3), 7.0, np.float32)
+    shim.mlxpipe_qgemm_calls.restype = ctypes.c_long
+    before = shim.mlxpipe_qgemm_calls()
+    ptr = ctypes.c_void_p
+    shim.cblas_sgemm(
+        ROW_MAJOR, NO_TRANS, TRANS, m, n, k, ctypes.c_float(alpha), ptr(x.ctypes.data), x.strides[0] // 4,
+        ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(c.ctypes.data), n + 3,
+    )  # fmt: skip
+    assert (c[:, n:] == 7.0).all()
+    return c[:, :n], bool(shim.mlxpipe_qgemm_calls() > before)
+
+
 def test_quantized_products_of_several_rows_match_numpy(openblas: Any, avx2: bool) -> None:
     shim = _own_shim(openblas, quantized=True, avx2=avx2)
     shim.mlxpipe_qgemm_calls.restype = ctypes.c_long
     ptr = ctypes.c_void_p
     rng = np.random.default_rng(13)
-
-    def product(w: np.ndarray, x: np.ndarray, alpha: float) -> tuple[np.ndarray, bool]:
-        """alpha x w^T through the shim (c wider than n); whether the quantized kernels computed it."""
-        (n, k), m = w.shape, x.shape[0]
-        c = np.full((m, n + 3), 7.0, np.float32)
-        before = shim.mlxpipe_qgemm_calls()
-        shim.cblas_sgemm(
-            ROW_MAJOR, NO_TRANS, TRANS, m, n, k, ctypes.c_float(alpha), ptr(x.ctypes.data), x.strides[0] // 4,
-            ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(c.ctypes.data), n + 3,
-        )  # fmt: skip
-        assert (c[:, n:] == 7.0).all()  # nothing written past each row
-        return c[:, :n], bool(shim.mlxpipe_qgemm_calls() == before + 1)
 
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (576, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
     for (n, k, bits, group), threads in itertools.product(shapes, [1, 2]):
@@ -396,12 +392,12 @@ def test_quantized_products_of_several_rows_match_numpy(openblas: Any, avx2: boo
         for m in [2, 3, 8, 9, 17, 64]:  # blocks of 8 rows and what is left over
             x = rng.standard_normal((m, k + 5)).astype(np.float32)[:, :k]  # a row stride other than k
             want = 0.5 * (x.astype(np.float64) @ w.T.astype(np.float64))
-            c, quantized = product(w, x, 0.5)
+            c, quantized = _product(shim, w, x, 0.5)
             assert quantized, (n, k, bits, m)
             np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
         # A row's sums are those the one-row kernel gives it alone, to the last bit (--batch 1's numbers).
         x = rng.standard_normal((9, k)).astype(np.float32)
-        together, _ = product(w, x, 1.0)
+        together, _ = _product(shim, w, x, 1.0)
         for i in (0, 8):
             alone = np.zeros(n, np.float32)
             shim.cblas_sgemm(
@@ -410,11 +406,11 @@ def test_quantized_products_of_several_rows_match_numpy(openblas: Any, avx2: boo
             )  # fmt: skip
             assert (alone == together[i]).all()
     shim.mlxpipe_qgemm_max_rows(8)  # more rows than that: the BLAS, on the float32 copy
-    c, quantized = product(w, x, 1.0)
+    c, quantized = _product(shim, w, x, 1.0)
     assert not quantized
     np.testing.assert_allclose(c, x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4 * np.abs(c).max())
     shim.mlxpipe_qgemm_max_rows(0)  # MLXPIPE_QGEMM=off: one-row products only
-    c, quantized = product(w, x[:2], 1.0)
+    c, quantized = _product(shim, w, x[:2], 1.0)
     assert not quantized
     np.testing.assert_allclose(c, x[:2].astype(np.float64) @ w.T, rtol=1e-4, atol=1e-4 * np.abs(c).max())
 
@@ -430,16 +426,6 @@ def test_amx_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -
     ptr = ctypes.c_void_p
     rng = np.random.default_rng(17)
 
-    def product(w: np.ndarray, x: np.ndarray, alpha: float = 1.0) -> np.ndarray:
-        (n, k), m = w.shape, x.shape[0]
-        c = np.full((m, n + 3), 7.0, np.float32)
-        shim.cblas_sgemm(
-            ROW_MAJOR, NO_TRANS, TRANS, m, n, k, ctypes.c_float(alpha), ptr(x.ctypes.data), x.strides[0] // 4,
-            ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(c.ctypes.data), n + 3,
-        )  # fmt: skip
-        assert (c[:, n:] == 7.0).all()  # nothing written past each row
-        return c[:, :n]
-
     # Whole and partial tiles of 16 rows of W; 4 and 8 bits; the helper thread or not; 300 rows: two passes.
     # Odd counts of groups (17, 3) by odd counts of 16-row passes: an odd count of tile products a block.
     shapes = [(1536, 576, 4), (193, 576, 4), (576, 1536, 4), (4096, 576, 8), (97, 512, 8)]
@@ -454,11 +440,11 @@ def test_amx_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -
         x = rng.standard_normal((300, k + 5)).astype(np.float32)[:, :k]  # a row stride other than k
         for m in [2, 17, 64, 300]:
             want = 0.5 * (x[:m].astype(np.float64) @ w.T.astype(np.float64))
-            together = product(w, x[:m], 0.5)
+            together = _product(shim, w, x[:m], 0.5)[0]
             # float32's precision: x is split into three bfloat16 parts, q is exact in bfloat16
             np.testing.assert_allclose(together, want, rtol=1e-5, atol=2e-6 * np.abs(want).max())
             # A row's sums do not depend on the rows beside it (its tile's other columns, the pass it is in).
-            alone = product(w, np.ascontiguousarray(x[[m - 1, 0]]), 0.5)
+            alone = _product(shim, w, np.ascontiguousarray(x[[m - 1, 0]]), 0.5)[0]
             assert (alone[0] == together[m - 1]).all() and (alone[1] == together[0]).all()
     # Groups other than 32 stay on the float32 kernels: a row's sums are the one-row kernel's.
     x = rng.standard_normal((20, 512)).astype(np.float32)
@@ -469,7 +455,7 @@ def test_amx_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -
             ptr(w.ctypes.data), 64, 512, 4, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
             ptr(biases.ctypes.data),
         )  # fmt: skip
-        assert (product(w, x)[5] == product(w, x[5:6])[0]).all()
+        assert (_product(shim, w, x)[0][5] == _product(shim, w, x[5:6])[0][0]).all()
 
 
 def test_avx2_gemm_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -> None:
@@ -479,18 +465,6 @@ def test_avx2_gemm_products_match_numpy_and_depend_on_their_row_alone(openblas: 
     shim.mlxpipe_qgemm_calls.restype = ctypes.c_long
     ptr = ctypes.c_void_p
     rng = np.random.default_rng(19)
-
-    def product(w: np.ndarray, x: np.ndarray, alpha: float = 1.0) -> np.ndarray:
-        (n, k), m = w.shape, x.shape[0]
-        c = np.full((m, n + 3), 7.0, np.float32)
-        before = shim.mlxpipe_qgemm_calls()
-        shim.cblas_sgemm(
-            ROW_MAJOR, NO_TRANS, TRANS, m, n, k, ctypes.c_float(alpha), ptr(x.ctypes.data), x.strides[0] // 4,
-            ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(c.ctypes.data), n + 3,
-        )  # fmt: skip
-        assert shim.mlxpipe_qgemm_calls() > before  # from the quantized bytes, not the BLAS
-        assert (c[:, n:] == 7.0).all()  # nothing written past each row
-        return c[:, :n]
 
     # Partial tiles of 6 rows of W and of 16 of A; 4 and 8 bits; groups of 32 and 64; the helper or not;
     # 300 rows: chunks of 64.
@@ -506,10 +480,10 @@ def test_avx2_gemm_products_match_numpy_and_depend_on_their_row_alone(openblas: 
         first = None
         for m in [16, 17, 64, 300]:
             want = 0.5 * (x[:m].astype(np.float64) @ w.T.astype(np.float64))
-            together = product(w, x[:m], 0.5)
+            together = _product(shim, w, x[:m], 0.5)[0]
             np.testing.assert_allclose(together, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
             first = together[:16] if first is None else first
             assert (together[:16] == first).all()  # the same rows, whatever the rows beside them
         order = rng.permutation(20)  # and wherever they stand
-        moved = product(w, np.ascontiguousarray(x[order]), 0.5)
+        moved = _product(shim, w, np.ascontiguousarray(x[order]), 0.5)[0]
         assert (moved[np.argsort(order)][:16] == first).all()
