@@ -56,6 +56,7 @@ ENV = "MLXPIPE_BLAS"
 # forwarding cblas_sgemm of mlxpipe.cpu.gemv can send it there.
 _PREFIXES = {"scipy-openblas32": "scipy_"}
 _THROUGH_FORWARDING = "reached only through mlxpipe's cblas_sgemm"
+_WHICH_WAS = ", which was "  # then what gemv.install returned
 # What an OpenBLAS built for one TARGET (not DYNAMIC_ARCH) needs of an x86-64 CPU, as /proc/cpuinfo names it.
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")
 _TARGET_NEEDS = {
@@ -145,14 +146,8 @@ def _load_first(candidates: list[tuple[str, str]], reference: str | None) -> Bla
         prefix = _PREFIXES.get(source, "")
         forwarding = gemv.install(handle)  # global before the BLAS, so libmlx binds to its cblas_sgemm
         if prefix and forwarding != gemv.FORWARDING:
-            failed.append(
-                (
-                    source,
-                    path,
-                    f"{_THROUGH_FORWARDING} (its functions are named {prefix}cblas_*), "
-                    f"which was {forwarding}",
-                )
-            )
+            why = f"{_THROUGH_FORWARDING} (its functions are named {prefix}cblas_*){_WHICH_WAS}{forwarding}"
+            failed.append((source, path, why))
             continue
         _load(path, ctypes.RTLD_GLOBAL)
         _set_threads(handle)
@@ -188,13 +183,7 @@ def _none_loaded(failed: list[tuple[str, str, str]]) -> str:
     forwarded = [f for f in failed if f[2].startswith(_THROUGH_FORWARDING)]
     if forwarded:
         source, _, message = forwarded[0]
-        if message.endswith(gemv.NO_COMPILER):
-            fix = "install a C compiler (Debian/Ubuntu: apt-get install gcc)"
-        elif "not built: " in message:
-            fix = "it is tried again once the compiler or mlxpipe changes"
-        else:
-            fix = f"unset {gemv.ENV}" if f"({gemv.ENV}=" in message else "see --model-info"
-        return f"{source} is {message}; {fix}"
+        return f"{source} is {message}; {_forwarding_fix(message.partition(_WHICH_WAS)[2])}"
     source, _, message = failed[0]  # the best candidate: the one worth fixing
     what = f"{source} would not load ({message})"
     if "libgfortran" in message:  # cmeel-openblas links to the system's gfortran runtime
@@ -215,16 +204,22 @@ def slow_paths(choice: BlasChoice | None = None) -> list[str]:
     if choice.missing:
         return [f"float32 matrix products run on mlx's reference BLAS, about 30x slower: {choice.reason}"]
     if choice.gemv and choice.gemv.startswith("not built: "):
-        cause = choice.gemv.removeprefix("not built: ")
-        fix = (
-            "install a C compiler (Debian/Ubuntu: apt-get install gcc)"
-            if cause.startswith(gemv.NO_COMPILER)
-            else "it is tried again once the compiler or mlxpipe changes"
-        )
+        cause, fix = choice.gemv.removeprefix("not built: "), _forwarding_fix(choice.gemv)
         return [
             f"one-row products are not sent to sgemv, a single stream decodes about 3x slower: {cause}; {fix}"
         ]
     return []
+
+
+def _forwarding_fix(forwarding: str) -> str:
+    """What to do about the forwarding ``cblas_sgemm`` not being in front, from what gemv.install said."""
+    if forwarding.startswith(f"not built: {gemv.NO_COMPILER}"):
+        return "install a C compiler (Debian/Ubuntu: apt-get install gcc)"
+    if forwarding.startswith("not built: "):
+        return "it is tried again once the compiler or mlxpipe changes"
+    if forwarding.startswith(f"off ({gemv.ENV}="):
+        return f"unset {gemv.ENV}"
+    return "see --model-info"
 
 
 # The probes below are separate functions so that tests can replace each one.
