@@ -299,14 +299,22 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float hsum8(__m
     return _mm_cvtss_f32(s);
 }
 
+/* 16 weights of a 4-bit row from 8 bytes: the low halves' (even columns) and the high ones' (odd), each
+ * fma(q, scale, bias): the very weights of the AVX-512 table, for every AVX2 kernel below. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+weights4_avx2(const uint8_t *q, __m256 scale, __m256 bias, __m256 *lo, __m256 *hi) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    *lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), scale, bias);
+    *hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), scale, bias);
+}
+
 #define ROWS4_STEP2(q, s, b, lo, hi)                                                                         \
     do {                                                                                                      \
         __m256 sc_ = _mm256_set1_ps((s)[g]), bi_ = _mm256_set1_ps((b)[g]);                                   \
         if ((g & 3) == 0) _mm_prefetch((const char *)((q) + g * half) + PREFETCH, _MM_HINT_T0);            \
         for (int j = 0; j < half; j += 8) {                                                                   \
-            __m256i w_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((q) + g * half + j)));       \
-            __m256 wl_ = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w_, nib)), sc_, bi_);          \
-            __m256 wh_ = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w_, 4)), sc_, bi_);           \
+            __m256 wl_, wh_;                                                                                  \
+            weights4_avx2((q) + g * half + j, sc_, bi_, &wl_, &wh_);                                          \
             lo = _mm256_fmadd_ps(_mm256_loadu_ps(xe + g * half + j), wl_, lo);                                \
             hi = _mm256_fmadd_ps(_mm256_loadu_ps(xo + g * half + j), wh_, hi);                                \
         }                                                                                                     \
@@ -316,7 +324,6 @@ __attribute__((target("avx2,fma"))) static void rows4_avx2(const qmat *m, const 
                                                           int r0, int r1, float *y) {
     int group = m->group, groups = m->k / group, half = group / 2;
     long stride = m->k / 2;
-    const __m256i nib = _mm256_set1_epi32(15);
     int r = r0;
     for (; r + 1 < r1; r += 2) {
         const uint8_t *q0 = m->q + r * stride, *q1 = q0 + stride;
@@ -382,16 +389,14 @@ block4_avx2(const qmat *m, const float *x, int rows, int r, float *c, int ldc) {
     int group = m->group, groups = m->k / group, half = group / 2, k = m->k, k2 = k / 2;
     const uint8_t *q0 = m->q + (long)r * (k / 2);
     const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
-    const __m256i nib = _mm256_set1_epi32(15);
     __m256 lo[MB], hi[MB];
     _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) lo[i] = hi[i] = _mm256_setzero_ps();
     for (int g = 0; g < groups; g++) {
         __m256 sc = _mm256_set1_ps(s0[g]), bi = _mm256_set1_ps(b0[g]);
         if ((g & 3) == 0) _mm_prefetch((const char *)(q0 + g * half) + PREFETCH, _MM_HINT_T0);
         for (int j = g * half; j < g * half + half; j += 8) {
-            __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q0 + j)));
-            __m256 wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w, nib)), sc, bi);
-            __m256 wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4)), sc, bi);
+            __m256 wl, wh;
+            weights4_avx2(q0 + j, sc, bi, &wl, &wh);
             _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) {
                 lo[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (long)i * k + j), wl, lo[i]);
                 hi[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (long)i * k + k2 + j), wh, hi[i]);
@@ -505,17 +510,16 @@ static void gemm_pack(const qmat *m, int M, const float *a, int lda, float *at, 
 
 __attribute__((target("avx2,fma"))) static void gemm_weights(const qmat *m, int r, int rows, float *w) {
     int k = m->k, group = m->group, groups = k / group, half = group / 2, k2 = k / 2;
-    const __m256i nib = _mm256_set1_epi32(15);
     for (int i = 0; i < rows; i++) {
         const float *s = m->scales + (long)(r + i) * groups, *b = m->biases + (long)(r + i) * groups;
         float *wi = w + (long)i * k;
         if (m->bits == 4) {
             const uint8_t *q = m->q + (long)(r + i) * k2;
             for (int j = 0; j < k2; j += 8) {
-                __m256 sc = _mm256_set1_ps(s[j / half]), bi = _mm256_set1_ps(b[j / half]);
-                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)));
-                _mm256_storeu_ps(wi + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, nib)), sc, bi));
-                _mm256_storeu_ps(wi + k2 + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), sc, bi));
+                __m256 lo, hi;
+                weights4_avx2(q + j, _mm256_set1_ps(s[j / half]), _mm256_set1_ps(b[j / half]), &lo, &hi);
+                _mm256_storeu_ps(wi + j, lo);
+                _mm256_storeu_ps(wi + k2 + j, hi);
             }
         } else {
             const uint8_t *q = m->q + (long)(r + i) * k;
@@ -1075,6 +1079,20 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
                 return 0;
         return 1;
     }
+    const float *at = 0;
+    int mpad = (M + GEMM_A - 1) / GEMM_A * GEMM_A;
+    if (gemm) { /* A transposed once for every stretch, of both threads (before the helper is taken) */
+        static __thread float *transposed;
+        static __thread long transposed_len;
+        long need = (long)m->k * mpad;
+        if (need > transposed_len) {
+            float *grown = realloc(transposed, need * sizeof(float));
+            if (!grown) return 0;
+            transposed = grown, transposed_len = need;
+        }
+        gemm_pack(m, M, a, lda, transposed, mpad);
+        at = transposed;
+    }
     int n = m->n;
     long row_bytes = (long)m->k * m->bits / 8 + 2L * (m->k / m->group) * sizeof(float);
     int stretch = (int)(CHUNK / row_bytes);
@@ -1108,20 +1126,6 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
             xt = packed, xs = packed_sums;
             stretch = stretch < 32 ? 32 : stretch / 32 * 32; /* whole pairs of tiles of W */
         }
-    }
-    const float *at = 0;
-    int mpad = (M + GEMM_A - 1) / GEMM_A * GEMM_A;
-    if (gemm) { /* A transposed once for every stretch, of both threads */
-        static __thread float *transposed;
-        static __thread long transposed_len;
-        long need = (long)m->k * mpad;
-        if (need > transposed_len) {
-            float *grown = realloc(transposed, need * sizeof(float));
-            if (!grown) return 0;
-            transposed = grown, transposed_len = need;
-        }
-        gemm_pack(m, M, a, lda, transposed, mpad);
-        at = transposed;
     }
     job_t mine = {.m = m, .a = a, .c = c, .M = M, .lda = lda, .ldc = ldc, .stretch = stretch};
     job_t *j = shared ? &job : &mine;
