@@ -232,6 +232,18 @@ def _quantized(rng: Any, n: int, k: int, bits: int, group: int = 32) -> tuple[np
     return weight, packed, scales, biases
 
 
+def _registered(shim: Any, rng: Any, n: int, k: int, bits: int, group: int = 32) -> tuple[np.ndarray, ...]:
+    """A random matrix (:func:`_quantized`) registered with ``shim``: the caller keeps all four arrays alive
+    while the shim may read them."""
+    w, packed, scales, biases = arrays = _quantized(rng, n, k, bits, group)
+    ptr = ctypes.c_void_p
+    assert shim.mlxpipe_qgemv_register(
+        ptr(w.ctypes.data), n, k, bits, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
+        ptr(biases.ctypes.data),
+    )  # fmt: skip
+    return arrays
+
+
 def test_quantized_rows_match_numpy_and_fall_back_when_they_cannot(openblas: Any, avx2: bool) -> None:
     shim = _own_shim(openblas, quantized=True, avx2=avx2)
     shim.mlxpipe_qgemv_calls.restype = ctypes.c_long
@@ -251,11 +263,7 @@ def test_quantized_rows_match_numpy_and_fall_back_when_they_cannot(openblas: Any
     # The kernels take two rows at a time: odd row counts leave one; GGUF's group of 32 and others.
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (576, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
     for n, k, bits, group in [*shapes, (96, 512, 4, 128)]:
-        w, packed, scales, biases = _quantized(rng, n, k, bits, group)
-        assert shim.mlxpipe_qgemv_register(
-            ptr(w.ctypes.data), n, k, bits, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
-            ptr(biases.ctypes.data),
-        )  # fmt: skip
+        w, *_alive = _registered(shim, rng, n, k, bits, group)
         x = rng.standard_normal((3, k)).astype(np.float32)  # row 1 as a row; column 1 as a strided column
         want = (x[1].astype(np.float64) @ w.T.astype(np.float64)) * 0.5
         column = np.array(x.T, order="C")
@@ -295,11 +303,7 @@ def test_one_row_products_shared_with_the_helper_are_the_ones_computed_alone(
 
     # Odd row counts (the kernels take rows in pairs), 4 and 8 bits, a stretch of rows a thread or many.
     for n, k, bits, group in [(1536, 576, 4, 32), (193, 576, 4, 32), (4097, 576, 8, 32), (97, 512, 8, 64)]:
-        w, packed, scales, biases = _quantized(rng, n, k, bits, group)
-        assert shim.mlxpipe_qgemv_register(
-            ptr(w.ctypes.data), n, k, bits, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
-            ptr(biases.ctypes.data),
-        )  # fmt: skip
+        w, *_alive = _registered(shim, rng, n, k, bits, group)
         x = rng.standard_normal(k).astype(np.float32)
         shim.mlxpipe_qgemm_threads(1)
         alone = one_row(w, x)
@@ -377,18 +381,13 @@ def _product(shim: Any, w: np.ndarray, x: np.ndarray, alpha: float = 1.0) -> tup
 
 def test_quantized_products_of_several_rows_match_numpy(openblas: Any, avx2: bool) -> None:
     shim = _own_shim(openblas, quantized=True, avx2=avx2)
-    shim.mlxpipe_qgemm_calls.restype = ctypes.c_long
     ptr = ctypes.c_void_p
     rng = np.random.default_rng(13)
 
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (576, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
     for (n, k, bits, group), threads in itertools.product(shapes, [1, 2]):
         shim.mlxpipe_qgemm_threads(threads)
-        w, packed, scales, biases = _quantized(rng, n, k, bits, group)
-        assert shim.mlxpipe_qgemv_register(
-            ptr(w.ctypes.data), n, k, bits, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
-            ptr(biases.ctypes.data),
-        )  # fmt: skip
+        w, *_alive = _registered(shim, rng, n, k, bits, group)
         for m in [2, 3, 8, 9, 17, 64]:  # blocks of 8 rows and what is left over
             x = rng.standard_normal((m, k + 5)).astype(np.float32)[:, :k]  # a row stride other than k
             want = 0.5 * (x.astype(np.float64) @ w.T.astype(np.float64))
@@ -423,7 +422,6 @@ def test_amx_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -
     assert shim.mlxpipe_gemv_init(
         ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
     )
-    ptr = ctypes.c_void_p
     rng = np.random.default_rng(17)
 
     # Whole and partial tiles of 16 rows of W; 4 and 8 bits; the helper thread or not; 300 rows: two passes.
@@ -432,11 +430,7 @@ def test_amx_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -
     shapes += [(48, 544, 4), (16, 96, 8)]
     for (n, k, bits), threads in itertools.product(shapes, [1, 2]):
         shim.mlxpipe_qgemm_threads(threads)
-        w, packed, scales, biases = _quantized(rng, n, k, bits)
-        assert shim.mlxpipe_qgemv_register(
-            ptr(w.ctypes.data), n, k, bits, 32, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
-            ptr(biases.ctypes.data),
-        )  # fmt: skip
+        w, *_alive = _registered(shim, rng, n, k, bits)
         x = rng.standard_normal((300, k + 5)).astype(np.float32)[:, :k]  # a row stride other than k
         for m in [2, 17, 64, 300]:
             want = 0.5 * (x[:m].astype(np.float64) @ w.T.astype(np.float64))
@@ -450,11 +444,7 @@ def test_amx_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -
     x = rng.standard_normal((20, 512)).astype(np.float32)
     for group, amx in [(64, 2), (32, 0)]:  # groups of 64 stay on float32 kernels; then MLXPIPE_AMX=off
         shim.mlxpipe_qgemm_amx(amx)
-        w, packed, scales, biases = _quantized(rng, 64, 512, 4, group)
-        assert shim.mlxpipe_qgemv_register(
-            ptr(w.ctypes.data), 64, 512, 4, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
-            ptr(biases.ctypes.data),
-        )  # fmt: skip
+        w, *_alive = _registered(shim, rng, 64, 512, 4, group)
         assert (_product(shim, w, x)[0][5] == _product(shim, w, x[5:6])[0][0]).all()
 
 
@@ -462,8 +452,6 @@ def test_avx2_gemm_products_match_numpy_and_depend_on_their_row_alone(openblas: 
     # Products of 16 rows or more with the AVX2 kernels: a GEMM on W's dequantized rows (on a CPU with
     # AVX-512 too, where the AVX2 kernels are asked for).
     shim = _own_shim(openblas, quantized=True, avx2=True)
-    shim.mlxpipe_qgemm_calls.restype = ctypes.c_long
-    ptr = ctypes.c_void_p
     rng = np.random.default_rng(19)
 
     # Partial tiles of 6 rows of W and of 16 of A; 4 and 8 bits; groups of 32 and 64; the helper or not;
@@ -471,11 +459,7 @@ def test_avx2_gemm_products_match_numpy_and_depend_on_their_row_alone(openblas: 
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
     for (n, k, bits, group), threads in itertools.product(shapes, [1, 2]):
         shim.mlxpipe_qgemm_threads(threads)
-        w, packed, scales, biases = _quantized(rng, n, k, bits, group)
-        assert shim.mlxpipe_qgemv_register(
-            ptr(w.ctypes.data), n, k, bits, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
-            ptr(biases.ctypes.data),
-        )  # fmt: skip
+        w, *_alive = _registered(shim, rng, n, k, bits, group)
         x = rng.standard_normal((300, k + 5)).astype(np.float32)[:, :k]  # a row stride other than k
         first = None
         for m in [16, 17, 64, 300]:
