@@ -104,9 +104,11 @@ def test_attention_products_match_numpy(openblas: Any, tmp_path: Path, monkeypat
     ptr, f = ctypes.c_void_p, ctypes.c_float
     rng = np.random.default_rng(8)
     cases = [(3, 64, 96), (1, 64, 1), (7, 40, 33), (5, 128, 300)]  # rows, head size, keys
-    # The AVX-512 kernels (where the CPU has them), then the portable loops other CPUs would run.
-    for (m, k, n), portable in itertools.product(cases, [0, 1]):
-        shim.mlxpipe_attention_portable(portable)
+    # The best kernels this CPU has, the AVX2 ones (where it has them), then the portable loops other CPUs
+    # would run.
+    for (m, k, n), kind in itertools.product(cases, ["best", "avx2", "portable"]):
+        shim.mlxpipe_qgemv_avx2(int(kind == "avx2"))
+        shim.mlxpipe_attention_portable(int(kind == "portable"))
         q = rng.standard_normal((m, k)).astype(np.float32)
         cache = rng.standard_normal((2, n + 9, k)).astype(np.float32)  # keys, values: rows of a longer cache
         keys, values = cache[0, :n], cache[1, :n]
@@ -124,8 +126,8 @@ def test_attention_products_match_numpy(openblas: Any, tmp_path: Path, monkeypat
         )  # fmt: skip
         weights = np.exp(scores.astype(np.float64) - scores.max(axis=1, keepdims=True))
         expected = (weights / weights.sum(axis=1, keepdims=True)) @ values
-        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5, err_msg=f"{(m, k, n, portable)}")
-    assert shim.mlxpipe_attention_calls() == 16
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5, err_msg=f"{(m, k, n, kind)}")
+    assert shim.mlxpipe_attention_calls() == 24
 
 
 _THROUGH_MLX = """

@@ -1169,10 +1169,10 @@ static int attention_portable; /* 1: the portable loops even where the AVX-512 k
 
 long mlxpipe_attention_calls(void) { return attention_calls; }
 void mlxpipe_attention_portable(int on) { attention_portable = on; }
-/* Whether attention's kernels run here (AVX-512): elsewhere the portable loops are slower than mlx's. */
+/* Whether attention's kernels run here (AVX-512 or AVX2): elsewhere the portable loops are slower than mlx's. */
 int mlxpipe_attention_available(void) {
 #ifdef X86_AVX512
-    return kernels() == 2;
+    return kernels() > 0;
 #else
     return 0;
 #endif
@@ -1357,12 +1357,139 @@ __attribute__((target("avx512f,fma"))) static void scores_avx512(int m, int n, i
 }
 #endif
 
+#ifdef X86_AVX512
+/* AVX2: the same exp as exp16 and exp_scalar (the same operations, lane by lane). */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 exp8(__m256 x) {
+    __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.442695f)), _mm256_set1_ps(-127.0f)),
+                             _mm256_set1_ps(128.0f));
+    __m256 ip = _mm256_round_ps(_mm256_add_ps(y, _mm256_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(y, ip);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i two = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ip), _mm256_set1_epi32(127)), 23);
+    __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(two), p);
+    r = _mm256_blendv_ps(r, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+    r = _mm256_and_ps(r, _mm256_cmp_ps(x, _mm256_set1_ps(-88.0f), _CMP_NLT_UQ));
+    return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+__attribute__((target("avx2,fma"))) static void weights_avx2(const float *a, int k, float *e) {
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    int j = 0;
+    for (; j + 8 <= k; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(a + j));
+    float lanes[8], t = -INFINITY;
+    _mm256_storeu_ps(lanes, top);
+    for (int i = 0; i < 8; i++) t = lanes[i] > t ? lanes[i] : t;
+    for (; j < k; j++) t = a[j] > t ? a[j] : t;
+    __m256 vt = _mm256_set1_ps(t);
+    for (j = 0; j + 8 <= k; j += 8) _mm256_storeu_ps(e + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(a + j), vt)));
+    for (; j < k; j++) e[j] = exp_scalar(a[j] - t);
+    float z = 0.0f;
+    for (j = 0; j < k; j++) z += e[j];
+    __m256 r = _mm256_set1_ps(1.0f / z);
+    for (j = 0; j + 8 <= k; j += 8) _mm256_storeu_ps(e + j, _mm256_mul_ps(_mm256_loadu_ps(e + j), r));
+    for (; j < k; j++) e[j] *= 1.0f / z;
+}
+
+/* Lanes 0..left-1 on (left clamped to 0..8): the mask of _mm256_maskload_ps / _mm256_maskstore_ps. */
+__attribute__((target("avx2"), always_inline)) static inline __m256i lanes_avx2(int left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* c (R x n) = e (R x k) b (k x n), 16 columns at a time, each sum over j in order (as the AVX-512 kernel). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+weighted_rows_avx2(const int R, int n, int k, const float *e, int lde, const float *b, int ldb, float *c, int ldc) {
+    for (int col = 0; col < n; col += 16) {
+        __m256i mk[2] = {lanes_avx2(n - col), lanes_avx2(n - col - 8)};
+        __m256 acc[4][2];
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int j = 0; j < k; j++) {
+            const float *bj = b + (long)j * ldb + col;
+            __m256 b0 = _mm256_maskload_ps(bj, mk[0]), b1 = _mm256_maskload_ps(bj + 8, mk[1]);
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                __m256 ej = _mm256_broadcast_ss(e + (long)i * lde + j);
+                acc[i][0] = _mm256_fmadd_ps(ej, b0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(ej, b1, acc[i][1]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            _mm256_maskstore_ps(c + (long)i * ldc + col, mk[0], acc[i][0]);
+            _mm256_maskstore_ps(c + (long)i * ldc + col + 8, mk[1], acc[i][1]);
+        }
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void weighted_avx2(int rows, int n, int k, const float *e, int lde,
+                                                              const float *b, int ldb, float *c, int ldc) {
+    switch (rows) {
+    case 4: weighted_rows_avx2(4, n, k, e, lde, b, ldb, c, ldc); break;
+    case 3: weighted_rows_avx2(3, n, k, e, lde, b, ldb, c, ldc); break;
+    case 2: weighted_rows_avx2(2, n, k, e, lde, b, ldb, c, ldc); break;
+    default: weighted_rows_avx2(1, n, k, e, lde, b, ldb, c, ldc); break;
+    }
+}
+
+/* Four vectors' sums in the four lanes of one, each by the same tree: ((0+1)+(2+3)) + ((4+5)+(6+7)). */
+__attribute__((target("avx2"), always_inline)) static inline __m128 sums4_avx2(const __m256 *v) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* s[r][0..count) = a row r . b rows 0..count (ldb apart), R <= 3 rows and 4 keys; every sum alike. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+scores4_avx2(const int R, const float *a, int lda, int k, const float *b, int ldb, float *s, int lds, int count) {
+    __m256 acc[3][4];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int d = 0; d < k; d += 8) {
+        __m256i mk = lanes_avx2(k - d);
+        __m256 av[3];
+#pragma GCC unroll 3
+        for (int r = 0; r < R; r++) av[r] = _mm256_maskload_ps(a + (long)r * lda + d, mk);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            __m256 bv = j < count ? _mm256_maskload_ps(b + (long)j * ldb + d, mk) : _mm256_setzero_ps();
+#pragma GCC unroll 3
+            for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(av[r], bv, acc[r][j]);
+        }
+    }
+    __m128i keep = _mm256_castsi256_si128(lanes_avx2(count));
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++) _mm_maskstore_ps(s + (long)r * lds, keep, sums4_avx2(acc[r]));
+}
+
+/* c (m x n) = a (m x k) b^T, b n x k: three rows and four keys at a time, each score's sum alike. */
+__attribute__((target("avx2,fma"))) static void scores_avx2(int m, int n, int k, const float *a, int lda,
+                                                            const float *b, int ldb, float *c, int ldc) {
+    for (int i = 0; i < m; i += 3)
+        for (int j = 0; j < n; j += 4) {
+            const float *ai = a + (long)i * lda, *bj = b + (long)j * ldb;
+            float *cij = c + (long)i * ldc + j;
+            int count = n - j < 4 ? n - j : 4;
+            if (m - i >= 3) scores4_avx2(3, ai, lda, k, bj, ldb, cij, ldc, count);
+            else if (m - i == 2) scores4_avx2(2, ai, lda, k, bj, ldb, cij, ldc, count);
+            else scores4_avx2(1, ai, lda, k, bj, ldb, cij, ldc, count);
+        }
+}
+#endif
+
 /* c = a b^T for row-major a (m x k), b (n x k), c (m x n). */
 static void attention_scores(int m, int n, int k, const float *a, int lda, const float *b, int ldb, float *c,
                              int ldc) {
 #ifdef X86_AVX512
-    if (!attention_portable && kernels() == 2) {
-        scores_avx512(m, n, k, a, lda, b, ldb, c, ldc);
+    if (!attention_portable && kernels()) {
+        if (kernels() == 2) scores_avx512(m, n, k, a, lda, b, ldb, c, ldc);
+        else scores_avx2(m, n, k, a, lda, b, ldb, c, ldc);
         attention_calls++;
         return;
     }
@@ -1382,11 +1509,16 @@ static int attention_product(int m, int n, int k, const float *a, int lda, const
     float *e = attention_scratch(4 * k);
     if (!e) return 0;
 #ifdef X86_AVX512
-    if (!attention_portable && kernels() == 2) {
+    if (!attention_portable && kernels()) {
+        int wide = kernels() == 2;
         for (int i = 0; i < m; i += 4) {
             int rows = m - i < 4 ? m - i : 4;
-            for (int r = 0; r < rows; r++) weights_avx512(a + (long)(i + r) * lda, k, e + (long)r * k);
-            weighted_avx512(rows, n, k, e, k, b, ldb, c + (long)i * ldc, ldc);
+            for (int r = 0; r < rows; r++) {
+                if (wide) weights_avx512(a + (long)(i + r) * lda, k, e + (long)r * k);
+                else weights_avx2(a + (long)(i + r) * lda, k, e + (long)r * k);
+            }
+            if (wide) weighted_avx512(rows, n, k, e, k, b, ldb, c + (long)i * ldc, ldc);
+            else weighted_avx2(rows, n, k, e, k, b, ldb, c + (long)i * ldc, ldc);
         }
         attention_calls++;
         return 1;

@@ -260,9 +260,9 @@ def use_amx(rows: int) -> bool:
 
 
 def attention_available() -> bool:
-    """Whether mlx's products go through the library on a CPU with its AVX-512 kernels, so that one whose
-    alpha is :data:`SCORES_ALPHA` computes ``a @ b.T`` (each sum in one order: attention's scores) and one
-    whose alpha is :data:`SOFTMAX_ALPHA` computes ``softmax(a) @ b`` (its weights times the values);
+    """Whether mlx's products go through the library on a CPU with its AVX-512 or AVX2 kernels, so that one
+    whose alpha is :data:`SCORES_ALPHA` computes ``a @ b.T`` (each sum in one order: attention's scores) and
+    one whose alpha is :data:`SOFTMAX_ALPHA` computes ``softmax(a) @ b`` (its weights times the values);
     float32. (Elsewhere its portable loops would be slower than mx.fast's fallback.)"""
     return _shim is not None and bool(_shim.mlxpipe_attention_available())
 

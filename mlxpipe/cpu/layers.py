@@ -370,7 +370,7 @@ SWIGLU_MLPS: set[type] = set()
 def apply(model: Any, kinds: Iterable[str] = KINDS) -> list[str]:
     """Swap ``model``'s exact ``nn.RMSNorm`` and ``nn.RoPE`` instances, the MLPs of :data:`SWIGLU_MLPS`, the
     attentions of :data:`ATTENTIONS` (fused projections where :func:`.quantized.fuse` made them, gemv.c's
-    attention where its AVX-512 kernels run), the plain linear layers and the layers of
+    attention where its AVX-512 or AVX2 kernels run), the plain linear layers and the layers of
     :data:`DECODER_LAYERS`, in place; the kinds swapped, sorted.
 
     ``kinds``: which of :data:`KINDS` to swap.
