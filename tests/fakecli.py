@@ -6,7 +6,7 @@ Everything but the engine is the real thing: argument parsing, readers, pipeline
 exit codes. ``FAKE_DELAY`` (seconds, default 0) is slept before each record's answer, so that a test
 can kill the process in the middle of a run; ``--batch N`` steps the records in flight one event each.
 With ``FAKE_SINK=1`` stdout goes to a sink that only counts lines (said on stderr at exit): a
-million-record run then measures mlxpipe, not write(2).
+quarter-million-record run then measures mlxpipe, not write(2).
 """
 
 from __future__ import annotations
