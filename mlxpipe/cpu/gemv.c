@@ -300,7 +300,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float hsum8(__m
 }
 
 /* 16 weights of a 4-bit row from 8 bytes: the low halves' (even columns) and the high ones' (odd), each
- * fma(q, scale, bias): the very weights of the AVX-512 table, for every AVX2 kernel below. */
+ * fma(q, scale, bias): the very weights of the AVX-512 table, for the AVX2 GEMM's rows. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
 weights4_avx2(const uint8_t *q, __m256 scale, __m256 bias, __m256 *lo, __m256 *hi) {
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
@@ -308,41 +308,74 @@ weights4_avx2(const uint8_t *q, __m256 scale, __m256 bias, __m256 *lo, __m256 *h
     *hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), scale, bias);
 }
 
-#define ROWS4_STEP2(q, s, b, lo, hi)                                                                         \
-    do {                                                                                                      \
-        __m256 sc_ = _mm256_set1_ps((s)[g]), bi_ = _mm256_set1_ps((b)[g]);                                   \
-        if ((g & 3) == 0) _mm_prefetch((const char *)((q) + g * half) + PREFETCH, _MM_HINT_T0);            \
-        for (int j = 0; j < half; j += 8) {                                                                   \
-            __m256 wl_, wh_;                                                                                  \
-            weights4_avx2((q) + g * half + j, sc_, bi_, &wl_, &wh_);                                          \
-            lo = _mm256_fmadd_ps(_mm256_loadu_ps(xe + g * half + j), wl_, lo);                                \
-            hi = _mm256_fmadd_ps(_mm256_loadu_ps(xo + g * half + j), wh_, hi);                                \
-        }                                                                                                     \
-    } while (0)
+/* A 4-bit group's q . x (its even columns' x in xe, its odd ones' in xo; half = group / 2 bytes): products,
+ * not weights, so that a weight costs one multiply-add. Its scale and bias come after (group4_avx2), as the
+ * 8-bit kernels apply theirs: scale * (q . x) + bias * sum(x). */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 dot4_avx2(const uint8_t *q,
+                                                                                  const float *xe,
+                                                                                  const float *xo, int half) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)), low = _mm256_set1_epi32(15);
+    __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(xe), _mm256_cvtepi32_ps(_mm256_and_si256(v, low)));
+    __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(xo), _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)));
+    for (int j = 8; j < half; j += 8) {
+        v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)));
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(xe + j), _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(xo + j), _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), hi);
+    }
+    return _mm256_add_ps(lo, hi);
+}
 
-__attribute__((target("avx2,fma"))) static void rows4_avx2(const qmat *m, const float *xe, const float *xo,
-                                                          int r0, int r1, float *y) {
-    int group = m->group, groups = m->k / group, half = group / 2;
+/* A row's biases times x's group sums, the second term of every 4-bit AVX2 result. */
+__attribute__((target("avx2,fma"), always_inline)) static inline float biases4_avx2(const float *b,
+                                                                                   const float *xsum, int groups) {
+    __m256 acc = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(b + g), _mm256_loadu_ps(xsum + g), acc);
+    float tail = 0.0f;
+    for (; g < groups; g++) tail += b[g] * xsum[g];
+    return hsum8(acc) + tail;
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+rows4_half_avx2(const int half, const qmat *m, const float *xe, const float *xo, const float *xsum, int r0, int r1,
+                float *y) {
+    int groups = m->k / m->group;
     long stride = m->k / 2;
     int r = r0;
-    for (; r + 1 < r1; r += 2) {
+    for (; r + 1 < r1; r += 2) { /* two rows a pass: x's loads shared */
         const uint8_t *q0 = m->q + r * stride, *q1 = q0 + stride;
-        const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
-        __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
+        const float *s0 = m->scales + (long)r * groups, *s1 = s0 + groups;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
         for (int g = 0; g < groups; g++) {
-            ROWS4_STEP2(q0, s0, b0, lo0, hi0);
-            ROWS4_STEP2(q1, s0 + groups, b0 + groups, lo1, hi1);
+            if ((g & 3) == 0) {
+                _mm_prefetch((const char *)(q0 + g * half) + PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)(q1 + g * half) + PREFETCH, _MM_HINT_T0);
+            }
+            acc0 = _mm256_fmadd_ps(dot4_avx2(q0 + g * half, xe + g * half, xo + g * half, half),
+                                   _mm256_set1_ps(s0[g]), acc0);
+            acc1 = _mm256_fmadd_ps(dot4_avx2(q1 + g * half, xe + g * half, xo + g * half, half),
+                                   _mm256_set1_ps(s1[g]), acc1);
         }
-        y[r] = hsum8(_mm256_add_ps(lo0, hi0));
-        y[r + 1] = hsum8(_mm256_add_ps(lo1, hi1));
+        const float *b0 = m->biases + (long)r * groups;
+        y[r] = hsum8(acc0) + biases4_avx2(b0, xsum, groups);
+        y[r + 1] = hsum8(acc1) + biases4_avx2(b0 + groups, xsum, groups);
     }
     if (r < r1) {
         const uint8_t *q0 = m->q + r * stride;
-        const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
-        __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0;
-        for (int g = 0; g < groups; g++) ROWS4_STEP2(q0, s0, b0, lo0, hi0);
-        y[r] = hsum8(_mm256_add_ps(lo0, hi0));
+        const float *s0 = m->scales + (long)r * groups;
+        __m256 acc0 = _mm256_setzero_ps();
+        for (int g = 0; g < groups; g++)
+            acc0 = _mm256_fmadd_ps(dot4_avx2(q0 + g * half, xe + g * half, xo + g * half, half),
+                                   _mm256_set1_ps(s0[g]), acc0);
+        y[r] = hsum8(acc0) + biases4_avx2(m->biases + (long)r * groups, xsum, groups);
     }
+}
+
+/* A constant half for groups of 32 (GGUF's): dot4_avx2's loop unrolled. */
+__attribute__((target("avx2,fma"))) static void rows4_avx2(const qmat *m, const float *xe, const float *xo,
+                                                          const float *xsum, int r0, int r1, float *y) {
+    if (m->group == 32) rows4_half_avx2(16, m, xe, xo, xsum, r0, r1, y);
+    else rows4_half_avx2(m->group / 2, m, xe, xo, xsum, r0, r1, y);
 }
 
 #define ROWS8_STEP2(q, s, b, sum, bias)                                                                      \
@@ -385,26 +418,29 @@ __attribute__((target("avx2,fma"))) static void rows8_avx2(const qmat *m, const 
 }
 
 __attribute__((target("avx2,fma"), always_inline)) static inline void
-block4_avx2(const qmat *m, const float *x, int rows, int r, float *c, int ldc) {
-    int group = m->group, groups = m->k / group, half = group / 2, k = m->k, k2 = k / 2;
+block4_half_avx2(const int half, const qmat *m, const float *x, const float *xsum, int rows, int r, float *c,
+                 int ldc) {
+    int groups = m->k / m->group, k = m->k, k2 = k / 2;
     const uint8_t *q0 = m->q + (long)r * (k / 2);
     const float *s0 = m->scales + (long)r * groups, *b0 = m->biases + (long)r * groups;
-    __m256 lo[MB], hi[MB];
-    _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    __m256 acc[MB];
+    _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) acc[i] = _mm256_setzero_ps();
     for (int g = 0; g < groups; g++) {
-        __m256 sc = _mm256_set1_ps(s0[g]), bi = _mm256_set1_ps(b0[g]);
+        __m256 sc = _mm256_set1_ps(s0[g]);
         if ((g & 3) == 0) _mm_prefetch((const char *)(q0 + g * half) + PREFETCH, _MM_HINT_T0);
-        for (int j = g * half; j < g * half + half; j += 8) {
-            __m256 wl, wh;
-            weights4_avx2(q0 + j, sc, bi, &wl, &wh);
-            _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) {
-                lo[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (long)i * k + j), wl, lo[i]);
-                hi[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (long)i * k + k2 + j), wh, hi[i]);
-            }
+        _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) { /* as rows4_avx2 sums each row alone */
+            const float *xi = x + (long)i * k + g * half;
+            acc[i] = _mm256_fmadd_ps(dot4_avx2(q0 + g * half, xi, xi + k2, half), sc, acc[i]);
         }
     }
     _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++) c[(long)i * ldc + r] =
-        hsum8(_mm256_add_ps(lo[i], hi[i]));
+        hsum8(acc[i]) + biases4_avx2(b0, xsum + (long)i * groups, groups);
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+block4_avx2(const qmat *m, const float *x, const float *xsum, int rows, int r, float *c, int ldc) {
+    if (m->group == 32) block4_half_avx2(16, m, x, xsum, rows, r, c, ldc);
+    else block4_half_avx2(m->group / 2, m, x, xsum, rows, r, c, ldc);
 }
 
 __attribute__((target("avx2,fma"), always_inline)) static inline void
@@ -435,7 +471,7 @@ block8_avx2(const qmat *m, const float *x, const float *xsum, int rows, int r, f
 
 #define BLOCKS2(rows_)                                                                                        \
     for (int r = r0; r < r1; r++)                                                                             \
-        if (m->bits == 4) block4_avx2(m, x, rows_, r, c, ldc);                                                \
+        if (m->bits == 4) block4_avx2(m, x, xsum, rows_, r, c, ldc);                                                \
         else block8_avx2(m, x, xsum, rows_, r, c, ldc)
 
 __attribute__((target("avx2,fma"))) static void span_avx2(const qmat *m, const float *x, const float *xsum,
@@ -473,9 +509,9 @@ void mlxpipe_qgemv_avx2(int on) {
     isa = -1;
 }
 
-static void rows4(const qmat *m, const float *xe, const float *xo, int r0, int r1, float *y) {
+static void rows4(const qmat *m, const float *xe, const float *xo, const float *xsum, int r0, int r1, float *y) {
     if (kernels() == 2) rows4_avx512(m, xe, xo, r0, r1, y);
-    else rows4_avx2(m, xe, xo, r0, r1, y);
+    else rows4_avx2(m, xe, xo, xsum, r0, r1, y);
 }
 
 static void rows8(const qmat *m, const float *x, const float *xsum, int r0, int r1, float *y) {
@@ -881,17 +917,17 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
     float *x = scratch, *xe = x + k, *xo = xe + k / 2, *xsum = xo + k / 2;
     for (int j = 0; j < k; j++) x[j] = a[(long)j * inc_a];
 #ifdef X86_AVX512
+    for (int g = 0; g < groups; g++) { /* the AVX2 4-bit kernels and the 8-bit ones: bias * sum(x) a group */
+        float t = 0;
+        for (int j = 0; j < m->group; j++) t += x[g * m->group + j];
+        xsum[g] = t;
+    }
     if (m->bits == 4) {
         for (int j = 0; j < k / 2; j++) { /* a byte holds values 2j (low nibble) and 2j + 1 (high) */
             xe[j] = x[2 * j];
             xo[j] = x[2 * j + 1];
         }
     } else {
-        for (int g = 0; g < groups; g++) {
-            float t = 0;
-            for (int j = 0; j < m->group; j++) t += x[g * m->group + j];
-            xsum[g] = t;
-        }
         xe = x; /* the 8-bit kernels read x whole */
     }
     one_rows(m, xe, xo, xsum, c);
@@ -929,13 +965,12 @@ static int qgemm_rows(const qmat *m, int M, const float *a, int lda, float *c, i
             float *dst = scratch + (long)i * k;
             if (m->bits == 4)
                 for (int j = 0; j < k2; j++) dst[j] = src[2 * j], dst[k2 + j] = src[2 * j + 1];
-            else {
+            else
                 memcpy(dst, src, k * sizeof(float));
-                for (int g = 0; g < groups; g++) {
-                    float t = 0;
-                    for (int j = 0; j < group; j++) t += src[g * group + j];
-                    xsum[(long)i * groups + g] = t;
-                }
+            for (int g = 0; g < groups; g++) {
+                float t = 0;
+                for (int j = 0; j < group; j++) t += src[g * group + j];
+                xsum[(long)i * groups + g] = t;
             }
         }
         span_any(m, scratch, xsum, rows, r0, r1, c + (long)i0 * ldc, ldc);
@@ -979,7 +1014,7 @@ static int work(job_t *j) {
     int count = 0;
     for (int s; (s = atomic_fetch_add(&j->next, 1)) < j->stretches; count++) {
         int r0 = s * j->stretch, r1 = r0 + j->stretch < j->m->n ? r0 + j->stretch : j->m->n;
-        if (j->one_row && j->m->bits == 4) rows4(j->m, j->xe, j->xo, r0, r1, j->c);
+        if (j->one_row && j->m->bits == 4) rows4(j->m, j->xe, j->xo, j->xsum, r0, r1, j->c);
         else if (j->one_row) rows8(j->m, j->xe, j->xsum, r0, r1, j->c);
         else if (j->at ? !gemm_rows_avx2(j->m, j->at, j->mpad, j->M, j->c, j->ldc, r0, r1)
                  : j->xt ? !amx_rows(j->m, j->xt, j->xs, j->blocks, j->M, j->c, j->ldc, r0, r1)
@@ -1559,7 +1594,7 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
         shared = 0;
     }
     if (!shared) {
-        if (m->bits == 4) rows4(m, xe, xo, 0, n, c);
+        if (m->bits == 4) rows4(m, xe, xo, xsum, 0, n, c);
         else rows8(m, xe, xsum, 0, n, c);
         return;
     }
