@@ -532,7 +532,7 @@ static void span_any(const qmat *m, const float *x, const float *xsum, int rows,
  * sums in registers: 12 multiply-adds for 2 loads and 6 broadcasts. Each sum runs over k in one order,
  * whatever the tile: a row's results depend on that row alone, but are added in another order than the
  * one-row kernels add them (the last bits can differ from --batch 1's, as on AMX). */
-enum { GEMM_W = 6, GEMM_A = 16, GEMM_MIN_ROWS = 16, GEMM_CHUNK = 64 };
+enum { GEMM_W = 6, GEMM_A = 16, GEMM_MIN_ROWS = 16, GEMM_CHUNK = 64, GEMM_STRETCH = 1 << 20 };
 
 static void gemm_pack(const qmat *m, int M, const float *a, int lda, float *at, int mpad) {
     int k = m->k, k2 = k / 2;
@@ -1052,7 +1052,7 @@ static void *helper(void *unused) {
 }
 
 /* Computes the job j (the shared one, job_busy taken) with the helper, waiting for the stretches it took;
- * whether the helper kept up (it waited no more than 0.2 ms and took at least a quarter of the stretches). */
+ * whether the helper kept up (the caller waited for it no longer than 0.2 ms or two stretches' time). */
 static int run_shared(job_t *j) {
     atomic_store(&j->next, 0);
     atomic_store(&j->done, 0);
@@ -1060,6 +1060,7 @@ static int run_shared(job_t *j) {
     atomic_store(&j->sleeping, 0);
     atomic_fetch_add(&job_gen, 1);
     futex(&job_gen, FUTEX_WAKE_PRIVATE, 1);
+    double start = now();
     int mine_done = work(j);
     double t0 = now();
     /* only a stretch the helper is computing: spun for briefly, then slept on (a spinning caller would
@@ -1072,11 +1073,14 @@ static int run_shared(job_t *j) {
         }
     /* Beside a busy process the helper gets no core, or loses it in a stretch: then products go on alone
      * for a while (a waiting caller would collapse a batch, as OpenBLAS's spinning threads did). */
-    double waited = now() - t0;
+    double waited = now() - t0, stretch_time = mine_done ? (t0 - start) / mine_done : 0;
     shared_calls++;
     helper_stretches += j->stretches - mine_done;
     all_stretches += j->stretches;
-    return waited <= 2e-4 && 4 * (j->stretches - mine_done) >= j->stretches;
+    /* A wait of up to twice a stretch's time is the end of a product, not a helper without a core; a helper
+     * that woke too late to take many stretches cost the caller nothing (it was left out for that before, so
+     * that on a VM whose wake-ups are slow a batch's products ran alone most of the time: RESULTS, issue 19). */
+    return waited <= (2e-4 > 2 * stretch_time ? 2e-4 : 2 * stretch_time);
 }
 
 static int start_helper(void) {
@@ -1140,6 +1144,11 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
     }
     if (shared) { /* about 8 stretches a thread, for balance */
         if (n / 16 + 1 < stretch) stretch = n / 16 + 1;
+        /* the GEMM keeps no stretch of W in L2 for A's rows: stretches of ~1M multiply-adds end together */
+        if (at && (long)stretch * M * m->k > GEMM_STRETCH) {
+            stretch = (int)(GEMM_STRETCH / ((long)M * m->k)) / GEMM_W * GEMM_W;
+            if (stretch < GEMM_W) stretch = GEMM_W;
+        }
     }
     if (stretch < 1) stretch = 1;
     const uint8_t *xt = 0;
@@ -1605,8 +1614,8 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
     job_t *j = &job;
     j->m = m, j->c = c, j->xe = xe, j->xo = xo, j->xsum = xsum, j->one_row = 1, j->xt = 0, j->at = 0;
     j->stretch = stretch, j->stretches = (n + stretch - 1) / stretch;
-    /* a helper that made the caller wait, or took under a quarter, is left out for a while: beside a busy
-     * process it may get no core, or lose it in a stretch (as the several-row products' rule) */
+    /* a helper that made the caller wait is left out for a while: beside a busy process it may get no core,
+     * or lose it in a stretch (as the several-row products' rule) */
     if (!run_shared(j)) one_alone_until = now() + ONE_ALONE_MS * 1e-3, alone_spells++;
     atomic_store(&job_busy, 0);
 }
