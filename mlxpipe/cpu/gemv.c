@@ -1222,16 +1222,21 @@ int mlxpipe_attention_available(void) {
 #endif
 }
 
+/* exp's polynomial on [-0.5, 0.5] (Cephes', as mlx's), by Horner's rule: one form for the scalar, AVX2 and
+ * AVX-512 exps, so that they compute the same numbers lane by lane. */
+#define SAME(x) (x)
+#define EXP_POLY(fma_, set1_, f)                                                                               \
+    fma_(fma_(fma_(fma_(fma_(fma_(set1_(1.535336188319500e-4f), f, set1_(1.339887440266574e-3f)), f,            \
+                             set1_(9.618437357674640e-3f)),                                                  \
+                        f, set1_(5.550332471162809e-2f)),                                                    \
+                   f, set1_(2.402264791363012e-1f)),                                                         \
+              f, set1_(6.931472028550421e-1f)),                                                              \
+         f, set1_(1.0f))
+
 static float exp_scalar(float x) {
     float y = fminf(fmaxf(x * 1.442695f, -127.0f), 128.0f); /* clamped: no overflow below (mlx's range) */
     float ip = floorf(y + 0.5f), f = y - ip;
-    float p = 1.535336188319500e-4f;
-    p = fmaf(p, f, 1.339887440266574e-3f);
-    p = fmaf(p, f, 9.618437357674640e-3f);
-    p = fmaf(p, f, 5.550332471162809e-2f);
-    p = fmaf(p, f, 2.402264791363012e-1f);
-    p = fmaf(p, f, 6.931472028550421e-1f);
-    p = fmaf(p, f, 1.0f);
+    float p = EXP_POLY(fmaf, SAME, f);
     union { uint32_t i; float f; } two = {.i = (uint32_t)((int32_t)ip + 127) << 23};
     if (x != x) return x;
     if (x > 88.0f) return INFINITY;
@@ -1266,13 +1271,7 @@ __attribute__((target("avx512f,fma"), always_inline)) static inline __m512 exp16
                              _mm512_set1_ps(128.0f));
     __m512 ip = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(y, ip);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = EXP_POLY(_mm512_fmadd_ps, _mm512_set1_ps, f);
     __m512i two = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(ip), _mm512_set1_epi32(127)), 23);
     __m512 r = _mm512_mul_ps(_mm512_castsi512_ps(two), p);
     r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ), r, _mm512_set1_ps(INFINITY));
@@ -1345,6 +1344,19 @@ __attribute__((target("avx512f,fma"))) static void weighted_avx512(int rows, int
 }
 #endif
 
+/* c (m x n) = a (m x k) b^T by a kernel of up to three rows of a and KEYS rows of b (a constant R: registers). */
+#define SCORES_TILES(kernel, KEYS)                                                                            \
+    for (int i = 0; i < m; i += 3)                                                                            \
+        for (int j = 0; j < n; j += KEYS) {                                                                   \
+            const float *ai = a + (long)i * lda, *bj = b + (long)j * ldb;                                     \
+            float *cij = c + (long)i * ldc + j;                                                               \
+            int count = n - j < KEYS ? n - j : KEYS, rows = m - i < 3 ? m - i : 3;                            \
+            if (rows == 3) kernel(3, ai, lda, k, bj, ldb, cij, ldc, count);                                   \
+            else if (rows == 2) kernel(2, ai, lda, k, bj, ldb, cij, ldc, count);                              \
+            else kernel(1, ai, lda, k, bj, ldb, cij, ldc, count);                                             \
+        }
+
+
 #ifdef X86_AVX512
 /* Eight vectors' sums in the low half of one, each by the same tree of additions; lane j holds the sum
  * of v[j] (the tree leaves key j in lane SUMS8_ORDER[j]). */
@@ -1389,15 +1401,7 @@ scores8(const int R, const float *a, int lda, int k, const float *b, int ldb, fl
 /* c (m x n) = a (m x k) b^T, b n x k: three rows and eight keys at a time, each score's sum alike. */
 __attribute__((target("avx512f,fma"))) static void scores_avx512(int m, int n, int k, const float *a, int lda,
                                                                  const float *b, int ldb, float *c, int ldc) {
-    for (int i = 0; i < m; i += 3)
-        for (int j = 0; j < n; j += 8) {
-            const float *ai = a + (long)i * lda, *bj = b + (long)j * ldb;
-            float *cij = c + (long)i * ldc + j;
-            int count = n - j < 8 ? n - j : 8;
-            if (m - i >= 3) scores8(3, ai, lda, k, bj, ldb, cij, ldc, count);
-            else if (m - i == 2) scores8(2, ai, lda, k, bj, ldb, cij, ldc, count);
-            else scores8(1, ai, lda, k, bj, ldb, cij, ldc, count);
-        }
+    SCORES_TILES(scores8, 8);
 }
 #endif
 
@@ -1408,13 +1412,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline __m256 exp8(__m
                              _mm256_set1_ps(128.0f));
     __m256 ip = _mm256_round_ps(_mm256_add_ps(y, _mm256_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(y, ip);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p = EXP_POLY(_mm256_fmadd_ps, _mm256_set1_ps, f);
     __m256i two = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ip), _mm256_set1_epi32(127)), 23);
     __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(two), p);
     r = _mm256_blendv_ps(r, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
@@ -1515,15 +1513,7 @@ scores4_avx2(const int R, const float *a, int lda, int k, const float *b, int ld
 /* c (m x n) = a (m x k) b^T, b n x k: three rows and four keys at a time, each score's sum alike. */
 __attribute__((target("avx2,fma"))) static void scores_avx2(int m, int n, int k, const float *a, int lda,
                                                             const float *b, int ldb, float *c, int ldc) {
-    for (int i = 0; i < m; i += 3)
-        for (int j = 0; j < n; j += 4) {
-            const float *ai = a + (long)i * lda, *bj = b + (long)j * ldb;
-            float *cij = c + (long)i * ldc + j;
-            int count = n - j < 4 ? n - j : 4;
-            if (m - i >= 3) scores4_avx2(3, ai, lda, k, bj, ldb, cij, ldc, count);
-            else if (m - i == 2) scores4_avx2(2, ai, lda, k, bj, ldb, cij, ldc, count);
-            else scores4_avx2(1, ai, lda, k, bj, ldb, cij, ldc, count);
-        }
+    SCORES_TILES(scores4_avx2, 4);
 }
 #endif
 
