@@ -1033,7 +1033,7 @@ static double now(void) {
 }
 
 enum { ALONE = 256 }; /* products computed without the helper after it was found slow (a decode step: 211) */
-static int alone_for;
+static int alone_for, late_in_row;
 static long shared_calls, helper_stretches, all_stretches, alone_spells;
 
 /* Products shared with the helper, stretches it computed, stretches in all, spells without it (bench). */
@@ -1180,7 +1180,9 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
     j->stretches = (n + stretch - 1) / stretch;
     j->one_row = 0;
     j->at = at, j->mpad = mpad;
-    if (shared && !run_shared(j)) alone_for = ALONE, alone_spells++;
+    /* two late helpers in a row: a VM's one-off delay does not cost a step's products on one thread */
+    if (shared && run_shared(j)) late_in_row = 0;
+    else if (shared && ++late_in_row >= 2) alone_for = ALONE, alone_spells++, late_in_row = 0;
     else if (!shared) work(j);
     int failed = atomic_load(&j->failed);
     if (shared) atomic_store(&job_busy, 0);
