@@ -104,7 +104,7 @@ static const qmat *lookup(const float *w, int n, int k) {
  * before, went through memory: half the speed). And the quantized bytes are fetched 8 KB ahead: read
  * that fast, the CPU's own prefetching fell behind (one-row products from memory 17 -> 44 G weights/s for
  * 4 bits, 17 -> 35 for 8, in a scratch benchmark on the project machine). */
-enum { PREFETCH = 8192 };
+enum { PREFETCH = 8192, PREFETCH_ROWS = 8 };
 /* 4 bits: a group has 16 possible weights, scale * q + bias; they are computed once and looked up with
  * vpermps, which reads just the low 4 bits of each index: the byte's low nibble as it is, its high one
  * shifted down. So the products use the very float32 weights that dequantizing gives. */
@@ -1455,6 +1455,8 @@ weighted_rows_avx2(const int R, int n, int k, const float *e, int lde, const flo
         for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
         for (int j = 0; j < k; j++) {
             const float *bj = b + (long)j * ldb + col;
+            if (col == 0) /* the first pass brings whole rows: a KV cache comes from memory, a few KB a call */
+                for (int l = 0; l < n; l += 16) _mm_prefetch((const char *)(bj + PREFETCH_ROWS * (long)ldb + l), _MM_HINT_T0);
             __m256 b0 = _mm256_maskload_ps(bj, mk[0]), b1 = _mm256_maskload_ps(bj + 8, mk[1]);
 #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
@@ -1495,6 +1497,8 @@ scores4_avx2(const int R, const float *a, int lda, int k, const float *b, int ld
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) /* the keys two tiles on (a KV cache comes from memory, a few KB a call) */
+        for (int d = 0; d < k; d += 16) _mm_prefetch((const char *)(b + (long)(j + 8) * ldb + d), _MM_HINT_T0);
     for (int d = 0; d < k; d += 8) {
         __m256i mk = lanes_avx2(k - d);
         __m256 av[3];
