@@ -309,8 +309,8 @@ weights4_avx2(const uint8_t *q, __m256 scale, __m256 bias, __m256 *lo, __m256 *h
 }
 
 /* A 4-bit group's q . x (its even columns' x in xe, its odd ones' in xo; half = group / 2 bytes): products,
- * not weights, so that a weight costs one multiply-add. Its scale and bias come after (group4_avx2), as the
- * 8-bit kernels apply theirs: scale * (q . x) + bias * sum(x). */
+ * not weights, so that a weight costs one multiply-add. Its scale and bias come after (the callers, and
+ * biases4_avx2), as the 8-bit kernels apply theirs: scale * (q . x) + bias * sum(x). */
 __attribute__((target("avx2,fma"), always_inline)) static inline __m256 dot4_avx2(const uint8_t *q,
                                                                                   const float *xe,
                                                                                   const float *xo, int half) {
@@ -471,7 +471,7 @@ block8_avx2(const qmat *m, const float *x, const float *xsum, int rows, int r, f
 
 #define BLOCKS2(rows_)                                                                                        \
     for (int r = r0; r < r1; r++)                                                                             \
-        if (m->bits == 4) block4_avx2(m, x, xsum, rows_, r, c, ldc);                                                \
+        if (m->bits == 4) block4_avx2(m, x, xsum, rows_, r, c, ldc);                                          \
         else block8_avx2(m, x, xsum, rows_, r, c, ldc)
 
 __attribute__((target("avx2,fma"))) static void span_avx2(const qmat *m, const float *x, const float *xsum,
@@ -900,6 +900,17 @@ int mlxpipe_qgemv_available(void) {
 
 #ifdef X86_AVX512
 static void one_rows(const qmat *m, const float *xe, const float *xo, const float *xsum, float *c);
+
+/* x's sum a group, summed in order, for the kernels that add bias * sum(x) a group: the 8-bit ones and the
+ * AVX2 4-bit ones (the AVX-512 4-bit kernels add the bias into each weight and need none). */
+static void group_sums(const qmat *m, const float *x, float *sums) {
+    if (m->bits == 4 && kernels() == 2) return;
+    for (int g = 0; g < m->k / m->group; g++) {
+        float t = 0;
+        for (int j = 0; j < m->group; j++) t += x[g * m->group + j];
+        sums[g] = t;
+    }
+}
 #endif
 
 /* c (1 x n) = alpha a (1 x k) W^T for a registered W; 0 when it cannot (the caller then uses the BLAS). */
@@ -917,11 +928,7 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
     float *x = scratch, *xe = x + k, *xo = xe + k / 2, *xsum = xo + k / 2;
     for (int j = 0; j < k; j++) x[j] = a[(long)j * inc_a];
 #ifdef X86_AVX512
-    for (int g = 0; g < groups; g++) { /* the AVX2 4-bit kernels and the 8-bit ones: bias * sum(x) a group */
-        float t = 0;
-        for (int j = 0; j < m->group; j++) t += x[g * m->group + j];
-        xsum[g] = t;
-    }
+    group_sums(m, x, xsum);
     if (m->bits == 4) {
         for (int j = 0; j < k / 2; j++) { /* a byte holds values 2j (low nibble) and 2j + 1 (high) */
             xe[j] = x[2 * j];
@@ -967,11 +974,7 @@ static int qgemm_rows(const qmat *m, int M, const float *a, int lda, float *c, i
                 for (int j = 0; j < k2; j++) dst[j] = src[2 * j], dst[k2 + j] = src[2 * j + 1];
             else
                 memcpy(dst, src, k * sizeof(float));
-            for (int g = 0; g < groups; g++) {
-                float t = 0;
-                for (int j = 0; j < group; j++) t += src[g * group + j];
-                xsum[(long)i * groups + g] = t;
-            }
+            group_sums(m, src, xsum + (long)i * groups);
         }
         span_any(m, scratch, xsum, rows, r0, r1, c + (long)i0 * ldc, ldc);
     }
@@ -1357,7 +1360,6 @@ __attribute__((target("avx512f,fma"))) static void weighted_avx512(int rows, int
             else if (rows == 2) kernel(2, ai, lda, k, bj, ldb, cij, ldc, count);                              \
             else kernel(1, ai, lda, k, bj, ldb, cij, ldc, count);                                             \
         }
-
 
 #ifdef X86_AVX512
 /* Eight vectors' sums in the low half of one, each by the same tree of additions; lane j holds the sum
