@@ -446,3 +446,41 @@ def test_cpu_batch_caches_roll_only_their_filled_positions_to_mlx_lms_result() -
     # Every position a row attends to is the same; the padding before (masked, never read) may differ.
     for g, w in zip(got, want, strict=True):
         assert all(mx.array_equal(g[i, :, p:], w[i, :, p:]).item() for i, p in enumerate(pads))
+
+
+@pytest.mark.model
+def test_rows_of_ended_records_are_taken_by_later_ones_with_unchanged_answers(
+    engine, monkeypatch, batch_is_exact: bool
+) -> None:
+    # A record that ends leaves its row to the next record (no copy of every KV cache as it leaves and as
+    # the next joins); the common left padding is cut (here after 4 positions, to see it happen). Each
+    # record's answer is what it gets alone, whatever row it took; a stop string frees a row too.
+    from mlxpipe.engine import batch as batch_module
+    from mlxpipe.reader import records_from_objects
+
+    cls = batch_module._greedy_batch()
+    counts = {"placed": 0, "cut": 0}
+    place, cut = cls._place, cls._drop_common_padding
+
+    def placed(self: Any, *args: Any) -> None:
+        counts["placed"] += 1
+        place(self, *args)
+
+    def cutting(self: Any) -> None:
+        before = self.prompt_cache[0]._idx
+        cut(self)
+        counts["cut"] += self.prompt_cache[0]._idx < before
+
+    monkeypatch.setattr(cls, "_place", placed)
+    monkeypatch.setattr(cls, "_drop_common_padding", cutting)
+    monkeypatch.setattr(cls, "PADDING_CUT", 4)
+    objects: list[Any] = [{"prompt": p, "max_tokens": 2 + n % 5} for n, p in enumerate(PROMPTS * 2)]
+    objects[3]["stop"] = [" "]
+    records = list(records_from_objects(objects, Settings()))
+    alone = [e for e in run(iter(records), engine, batch=1) if isinstance(e, Done)]
+    together = [e for e in run(iter(records), engine, batch=3) if isinstance(e, Done)]
+    assert [e.index for e in together] == [r.index for r in records]
+    assert counts["placed"] >= 3 and counts["cut"] >= 1
+    assert all(0 < e.tokens <= o["max_tokens"] for e, o in zip(together, objects, strict=True))
+    if batch_is_exact:
+        assert [(e.text, e.tokens) for e in together] == [(e.text, e.tokens) for e in alone]
