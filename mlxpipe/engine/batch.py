@@ -179,7 +179,8 @@ def _greedy_batch() -> Any:
         def extend(self, batch: Any) -> None:
             b: Any = self
             free = [i for i, uid in enumerate(b.uids) if uid is None]
-            if batch.uids and len(free) >= len(batch.uids) and self._fits(batch):
+            # (no live row: mlx-lm's filter drops them all and its extend takes the new caches, no copy)
+            if len(self) and batch.uids and len(free) >= len(batch.uids) and self._fits(batch):
                 self._place(free[: len(batch.uids)], batch)
             else:
                 self.compact()
