@@ -130,6 +130,39 @@ def test_attention_products_match_numpy(openblas: Any, tmp_path: Path, monkeypat
     assert shim.mlxpipe_attention_calls() == 24
 
 
+def test_swiglu_products_give_layers_swiglu_bit_for_bit(openblas: Any) -> None:
+    # A product whose alpha is SWIGLU_ALPHA: here by the identity, so c is the chosen gate and up values,
+    # then silu(gate) * up in c's first half, the very numbers of layers.swiglu (mlx's compiled kernels).
+    import mlx.core as mx
+
+    from mlxpipe.cpu import layers
+
+    shim = _own_shim(openblas)
+    ptr, f = ctypes.c_void_p, ctypes.c_float
+    rng = np.random.default_rng(21)
+    m, half = 5, 37  # 37: the AVX2 loop's tail too
+    values = (6 * rng.standard_normal((m, 2 * half))).astype(np.float32)
+    values[0, :10] = [0.0, -0.0, 1e-30, 7.9, -7.9, 15.81, -15.81, 50.0, -50.0, -3.0]  # the tanh's clamp at 7.9
+    expected = np.array(layers.swiglu(mx.array(values[:, :half]), mx.array(values[:, half:])))
+    identity = np.eye(2 * half, dtype=np.float32)
+    calls = shim.mlxpipe_swiglu_calls
+    calls.restype = ctypes.c_long
+    for order, kind in itertools.product([ROW_MAJOR, COL_MAJOR], ["best", "portable"]):
+        shim.mlxpipe_attention_portable(int(kind == "portable"))
+        a = np.ascontiguousarray(values) if order == ROW_MAJOR else np.asfortranarray(values)
+        c = np.zeros((m, 2 * half), np.float32, order="C" if order == ROW_MAJOR else "F")
+        ld = 2 * half if order == ROW_MAJOR else m
+        before = calls()
+        shim.cblas_sgemm(
+            order, NO_TRANS, TRANS, m, 2 * half, 2 * half, f(gemv.SWIGLU_ALPHA), ptr(a.ctypes.data), ld,
+            ptr(identity.ctypes.data), 2 * half, f(0.0), ptr(c.ctypes.data), ld,
+        )  # fmt: skip
+        assert calls() == before + 1
+        assert np.array_equal(c[:, :half], expected), (order, kind)
+        assert np.array_equal(c[:, half:], values[:, half:])  # up's half as the product left it
+    shim.mlxpipe_attention_portable(0)
+
+
 _THROUGH_MLX = """
 import json, numpy as np
 from mlxpipe.cpu import blas

@@ -1259,7 +1259,7 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
 #define SCORES_ALPHA (-0x1p99f)
 #define SOFTMAX_ALPHA (-0x1p100f)
 static long attention_calls;
-static int attention_portable; /* 1: the portable loops even where the AVX-512 kernels run (tests) */
+static int attention_portable; /* 1: attention's and SwiGLU's portable loops even where AVX2 runs (tests) */
 
 long mlxpipe_attention_calls(void) { return attention_calls; }
 void mlxpipe_attention_portable(int on) { attention_portable = on; }
@@ -1711,8 +1711,83 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
 }
 #endif
 
+/* ---- SwiGLU after a gate-and-up product (mlxpipe.cpu.layers' fused MLP) ----------------------------------
+ * SWIGLU_ALPHA: c = a b with b's outputs the gate's then the up projection's, then c's first half =
+ * silu(gate) * up by the very float32 operations of layers._swiglu_fast (no multiply-add fused, as mlx's
+ * compiled kernels run them): mlx ran that chain as scalar loops over strided rows, ~8 ns an element. */
+#define SWIGLU_ALPHA (-0x1p101f)
+static const float TANH_P[7] = {4.89352455891786e-03f, 6.37261928875436e-04f, 1.48572235717979e-05f,
+                                5.12229709037114e-08f, -8.60467152213735e-11f, 2.00018790482477e-13f,
+                                -2.76076847742355e-16f};
+static const float TANH_Q[4] = {4.89352518554385e-03f, 2.26843463243900e-03f, 1.18534705686654e-04f,
+                                1.19825839466702e-06f};
+static const float TANH_CLAMP = 7.90531110763549805f;
+
+static float swiglu_scalar(float g, float x) {
+    volatile float t = 0.5f * g; /* volatile: each operation rounded alone, whatever the compiler's contraction */
+    t = fminf(fmaxf(t, -TANH_CLAMP), TANH_CLAMP);
+    volatile float t2 = t * t, p = t2 * TANH_P[6];
+    p = p + TANH_P[5];
+    for (int i = 4; i >= 0; i--) p = p * t2, p = p + TANH_P[i];
+    volatile float q = t2 * TANH_Q[3];
+    q = q + TANH_Q[2], q = q * t2, q = q + TANH_Q[1], q = q * t2, q = q + TANH_Q[0];
+    volatile float r = p * t;
+    r = 0.5f * r, r = r / q, r = 0.5f + r, r = g * r;
+    return r * x;
+}
+
+#ifdef X86_AVX512
+/* target avx2 without fma: the compiler cannot fuse a multiply and an add */
+__attribute__((target("avx2"))) static void swiglu_avx2(float *g, const float *x, int n) {
+    int j = 0;
+    __m256 half = _mm256_set1_ps(0.5f), lo = _mm256_set1_ps(-TANH_CLAMP), hi = _mm256_set1_ps(TANH_CLAMP);
+    for (; j + 8 <= n; j += 8) {
+        __m256 gv = _mm256_loadu_ps(g + j);
+        __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(half, gv), lo), hi), t2 = _mm256_mul_ps(t, t);
+        __m256 p = _mm256_add_ps(_mm256_mul_ps(t2, _mm256_set1_ps(TANH_P[6])), _mm256_set1_ps(TANH_P[5]));
+        for (int i = 4; i >= 0; i--) p = _mm256_add_ps(_mm256_mul_ps(p, t2), _mm256_set1_ps(TANH_P[i]));
+        __m256 q = _mm256_add_ps(_mm256_mul_ps(t2, _mm256_set1_ps(TANH_Q[3])), _mm256_set1_ps(TANH_Q[2]));
+        q = _mm256_add_ps(_mm256_mul_ps(q, t2), _mm256_set1_ps(TANH_Q[1]));
+        q = _mm256_add_ps(_mm256_mul_ps(q, t2), _mm256_set1_ps(TANH_Q[0]));
+        __m256 r = _mm256_div_ps(_mm256_mul_ps(half, _mm256_mul_ps(p, t)), q);
+        r = _mm256_mul_ps(gv, _mm256_add_ps(half, r));
+        _mm256_storeu_ps(g + j, _mm256_mul_ps(r, _mm256_loadu_ps(x + j)));
+    }
+    for (; j < n; j++) g[j] = swiglu_scalar(g[j], x[j]);
+}
+#endif
+
+static long swiglu_calls;
+long mlxpipe_swiglu_calls(void) { return swiglu_calls; }
+
+/* g[0..n) = silu(g) * x elementwise. */
+static void swiglu_span(float *g, const float *x, int n) {
+#ifdef X86_AVX512
+    if (!attention_portable && kernels()) {
+        swiglu_avx2(g, x, n);
+        return;
+    }
+#endif
+    for (int j = 0; j < n; j++) g[j] = swiglu_scalar(g[j], x[j]);
+}
+
+/* c (m x n: the gate's columns, then up's) gets silu(gate) * up in its first n / 2 columns. */
+static void swiglu(int order, int m, int n, float *c, int ldc) {
+    int half = n / 2;
+    if (order == ROW_MAJOR)
+        for (int i = 0; i < m; i++) swiglu_span(c + (long)i * ldc, c + (long)i * ldc + half, half);
+    else /* column-major: a column is contiguous */
+        for (int j = 0; j < half; j++) swiglu_span(c + (long)j * ldc, c + (long)(half + j) * ldc, m);
+    swiglu_calls++;
+}
+
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
                  const float *b, int ldb, float beta, float *c, int ldc) {
+    if (alpha == SWIGLU_ALPHA) {
+        cblas_sgemm(order, ta, tb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+        swiglu(order, m, n, c, ldc);
+        return;
+    }
     if (alpha == SCORES_ALPHA && order == ROW_MAJOR && ta == NO_TRANS && tb == TRANS && beta == 0.0f) {
         attention_scores(m, n, k, a, lda, b, ldb, c, ldc);
         return;

@@ -50,6 +50,7 @@ __all__ = [
     "QGEMM_ENV",
     "SCORES_ALPHA",
     "SOFTMAX_ALPHA",
+    "SWIGLU_ALPHA",
     "attach",
     "attached",
     "attention_available",
@@ -60,6 +61,8 @@ __all__ = [
     "quantized_batch_calls",
     "quantized_calls",
     "share_one_rows",
+    "swiglu_available",
+    "swiglu_calls",
     "use_amx",
     "use_threads",
 ]
@@ -77,6 +80,8 @@ FORWARDING = "one-row products go to sgemv"  # what install() returns once its c
 # a @ b.T with each score summed in one order, and softmax(a) @ b.
 SCORES_ALPHA = -(2.0**99)
 SOFTMAX_ALPHA = -(2.0**100)
+# A product whose alpha is this is a fused gate-and-up projection: its first half becomes silu(gate) * up.
+SWIGLU_ALPHA = -(2.0**101)
 MAX_ROWS = 1 << 30  # every product by an attached matrix: a row's sums never depend on the batch or prompt
 _SOURCE = Path(__file__).with_name("gemv.c")
 _shim: Any = None  # the library in front of the BLAS, once installed
@@ -265,6 +270,21 @@ def attention_available() -> bool:
     one whose alpha is :data:`SOFTMAX_ALPHA` computes ``softmax(a) @ b`` (its weights times the values);
     float32. (Elsewhere its portable loops would be slower than mx.fast's fallback.)"""
     return _shim is not None and bool(_shim.mlxpipe_attention_available())
+
+
+def swiglu_available() -> bool:
+    """Whether mlx's products go through the library, so that one whose alpha is :data:`SWIGLU_ALPHA`
+    computes ``c = a @ b`` (b's columns: a gate projection's, then an up projection's of the same width), then
+    ``silu(gate) * up`` into ``c``'s first half, in float32 by :func:`mlxpipe.cpu.layers.swiglu`'s operations."""
+    return _shim is not None
+
+
+def swiglu_calls() -> int:
+    """Products followed by a SwiGLU (:data:`SWIGLU_ALPHA`) so far in this process."""
+    if _shim is None:
+        return 0
+    _shim.mlxpipe_swiglu_calls.restype = ctypes.c_long
+    return int(_shim.mlxpipe_swiglu_calls())
 
 
 def attention_calls() -> int:

@@ -285,9 +285,13 @@ def _fused_mlp(base: type) -> type:
     def __call__(self: Any, x: mx.array) -> Any:
         # The rows as one matrix: a product of a 3-d input is a flatten, the product and an unflatten.
         rows = x.reshape(-1, x.shape[-1])
-        both = rows @ _fused_transposed(self)  # gate's outputs, then up's
         gate = self.gate_proj.weight.shape[0]
-        return _project(self.down_proj, swiglu(both[:, :gate], both[:, gate:])).reshape(*x.shape[:-1], -1)
+        if rows.dtype == mx.float32 and gemv.swiglu_available():  # the SwiGLU too, in the product's call
+            hidden = mx.addmm(_ZERO, rows, _fused_transposed(self), alpha=gemv.SWIGLU_ALPHA, beta=0.0)[:, :gate]
+        else:
+            both = rows @ _fused_transposed(self)  # gate's outputs, then up's
+            hidden = swiglu(both[:, :gate], both[:, gate:])
+        return _project(self.down_proj, hidden).reshape(*x.shape[:-1], -1)
 
     return _subclass(
         base, "Fused", __call__, f"{base.__name__} with one product for gate and up, the fast SwiGLU."
