@@ -474,6 +474,18 @@ def test_rows_of_ended_records_are_taken_by_later_ones_with_unchanged_answers(
     monkeypatch.setattr(cls, "_place", placed)
     monkeypatch.setattr(cls, "_drop_common_padding", cutting)
     monkeypatch.setattr(cls, "PADDING_CUT", 4)
+    # A wave of records reads its prompts' last tokens in the decoding batch's next step, not in a step
+    # of its own (mlx-lm's GenerationBatch steps as it is made: a model call per wave).
+    from mlx_lm.generate import GenerationBatch
+
+    own_steps = {"n": 0}
+    base_step = GenerationBatch._step
+
+    def own_step(self: Any) -> Any:
+        own_steps["n"] += 1
+        return base_step(self)
+
+    monkeypatch.setattr(GenerationBatch, "_step", own_step)
     objects: list[Any] = [{"prompt": p, "max_tokens": 2 + n % 5} for n, p in enumerate(PROMPTS * 2)]
     objects[3]["stop"] = [" "]
     records = list(records_from_objects(objects, Settings()))
@@ -481,6 +493,7 @@ def test_rows_of_ended_records_are_taken_by_later_ones_with_unchanged_answers(
     together = [e for e in run(iter(records), engine, batch=3) if isinstance(e, Done)]
     assert [e.index for e in together] == [r.index for r in records]
     assert counts["placed"] >= 3 and counts["cut"] >= 1
+    assert own_steps["n"] == 0  # every step was the decoding batch's (greedy: its argmax step)
     assert all(0 < e.tokens <= o["max_tokens"] for e, o in zip(together, objects, strict=True))
     if batch_is_exact:
         assert [(e.text, e.tokens) for e in together] == [(e.text, e.tokens) for e in alone]

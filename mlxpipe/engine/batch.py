@@ -82,11 +82,65 @@ _NO_LOGPROBS = mx.zeros((0,))  # what a step that skipped the log-softmax hands 
 
 
 @functools.cache
+def _prompt_batch() -> Any:
+    """The classes below, made on first use (``mlx_lm.generate`` imports transformers: only when batching)."""
+    from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
+
+    class _Primed(GenerationBatch):
+        """Records whose prompts are read but for their last token, which is their next input: the decoding
+        batch computes it in its next step, in rows that would be computed anyway (mlx-lm's batch would
+        compute it in a step of its own, a model call per wave of records)."""
+
+        def _step(self) -> tuple[list[int], list[mx.array]]:  # (GenerationBatch.__init__ calls it)
+            b: Any = self
+            b._next_logprobs = [_NO_LOGPROBS] * len(b.uids)
+            return [], []
+
+    class _Prompts(PromptProcessingBatch):
+        """mlx-lm's prompts being read, whose records move on to decoding as :class:`_Primed`, and without a
+        copy of their KV caches when all of them move (mlx-lm's split copies them twice)."""
+
+        def split(self, indices: list[int]) -> Any:
+            if sorted(indices) != list(range(len(self.uids))):
+                return super().split(indices)
+            whole = PromptProcessingBatch.__new__(type(self))
+            whole.__dict__.update(self.__dict__)
+            self.uids, self.prompt_cache, self.tokens, self.samplers = [], [], [], []
+            self.logits_processors, self.max_tokens, self.stop_sequences = [], [], []
+            return whole
+
+        def generate(self, tokens: list[list[int]]) -> Any:
+            # mlx-lm's PromptProcessingBatch.generate, but the batch it makes has not stepped
+            if any(len(t) > 1 for t in tokens):
+                self.prompt([t[:-1] for t in tokens])
+            last = mx.array([t[-1] for t in tokens], dtype=mx.uint32)  # the dtype of a sampled token
+            primed = _Primed(
+                self.model,
+                self.uids,
+                last,
+                self.prompt_cache,
+                self.tokens,
+                self.samplers,
+                self.fallback_sampler,
+                self.logits_processors,
+                self.stop_sequences,
+                self.max_tokens,
+            )
+            self.uids, self.prompt_cache, self.tokens, self.samplers = [], [], [], []
+            self.logits_processors, self.max_tokens = [], []
+            return primed
+
+    return _Prompts, _Primed
+
+
+@functools.cache
 def _greedy_batch() -> Any:
     """The class below, made on first use: ``mlx_lm.generate`` imports transformers (only when batching)."""
     from mlx_lm.generate import GenerationBatch
     from mlx_lm.models.cache import BatchKVCache
     from mlx_lm.sample_utils import greedy_sampler
+
+    primed_type = _prompt_batch()[1]
 
     class _Greedy(GenerationBatch):
         """mlx-lm's decoding batch, whose steps skip the log-softmax over the vocabulary while every row
@@ -108,6 +162,7 @@ def _greedy_batch() -> Any:
             super().__init__(*args, **kwargs)
             self._steps = 0
             self._freed: dict[int, int] = {}  # free row → the step it was freed at
+            self._priming: set[int] = set()  # records whose next input is their prompt's last token
 
         def __len__(self) -> int:
             return sum(uid is not None for uid in self.uids)
@@ -123,6 +178,7 @@ def _greedy_batch() -> Any:
 
         def _free(self, row: int) -> None:
             b: Any = self  # mlx-lm types uids as list[int]; a free row's is None
+            self._priming.discard(b.uids[row])
             b.uids[row] = None
             self._freed[row] = self._steps
 
@@ -157,6 +213,9 @@ def _greedy_batch() -> Any:
             for i, uid in enumerate(b.uids):
                 if uid is None:
                     continue
+                if uid in self._priming:  # this step read its prompt's last token: its first token is next
+                    self._priming.discard(uid)
+                    continue
                 finish_reason = None
                 b._num_tokens[i] += 1
                 if b._num_tokens[i] >= b.max_tokens[i]:
@@ -185,6 +244,8 @@ def _greedy_batch() -> Any:
             else:
                 self.compact()
                 super().extend(batch)  # type: ignore[no-untyped-call]
+            if isinstance(batch, primed_type):
+                self._priming.update(batch.uids)
 
         def _fits(self, batch: Any) -> bool:
             b: Any = self
@@ -321,8 +382,13 @@ class Batch:
             prefill_batch_size=size,
             prefill_step_size=engine.prefill_step,
         )
-        # Every decoding row joins this one batch (mlx-lm extends it), so its steps are _Greedy's.
+        # Every decoding row joins this one batch (mlx-lm extends it), so its steps are _Greedy's; records
+        # join it from _Prompts, their prompts' last tokens not yet read.
         self._gen._generation_batch = _greedy_batch().empty(engine.model, self._gen.sampler)
+        prompts = _prompt_batch()[0]
+        self._gen._prompt_batch = prompts.empty(
+            engine.model, self._gen.sampler, prefill_step_size=engine.prefill_step
+        )
         self._slots: dict[int, _Slot] = {}
         self._ready: list[Chunk | Done | Error] = []  # events of records answered without decoding (choices)
         self._ready_records = 0
