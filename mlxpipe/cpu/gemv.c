@@ -1712,9 +1712,9 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
 #endif
 
 /* ---- SwiGLU after a gate-and-up product (mlxpipe.cpu.layers' fused MLP) ----------------------------------
- * SWIGLU_ALPHA: c = a b with b's outputs the gate's then the up projection's, then c's first half =
- * silu(gate) * up by the very float32 operations of layers._swiglu_fast (no multiply-add fused, as mlx's
- * compiled kernels run them): mlx ran that chain as scalar loops over strided rows, ~8 ns an element. */
+ * SWIGLU_ALPHA (row-major): c = a b with b's outputs the gate's then the up projection's, then silu(gate) *
+ * up packed at c's start, by the very float32 operations of layers._swiglu_fast (no multiply-add fused, as
+ * mlx's compiled kernels run them): mlx ran that chain as scalar loops over strided rows, ~8 ns an element. */
 #define SWIGLU_ALPHA (-0x1p101f)
 static const float TANH_P[7] = {4.89352455891786e-03f, 6.37261928875436e-04f, 1.48572235717979e-05f,
                                 5.12229709037114e-08f, -8.60467152213735e-11f, 2.00018790482477e-13f,
@@ -1771,21 +1771,24 @@ static void swiglu_span(float *g, const float *x, int n) {
     for (int j = 0; j < n; j++) g[j] = swiglu_scalar(g[j], x[j]);
 }
 
-/* c (m x n: the gate's columns, then up's) gets silu(gate) * up in its first n / 2 columns. */
-static void swiglu(int order, int m, int n, float *c, int ldc) {
+/* c (m x n, row-major, ldc >= n: the gate's columns, then up's) becomes silu(gate) * up as an m x n / 2
+ * matrix packed at its start (row i at c + i n / 2): a contiguous array for the next product, no copy.
+ * Rows in order: row i's result lands on rows before i, already read (i n / 2 + n / 2 <= i ldc). */
+static void swiglu(int m, int n, float *c, int ldc) {
     int half = n / 2;
-    if (order == ROW_MAJOR)
-        for (int i = 0; i < m; i++) swiglu_span(c + (long)i * ldc, c + (long)i * ldc + half, half);
-    else /* column-major: a column is contiguous */
-        for (int j = 0; j < half; j++) swiglu_span(c + (long)j * ldc, c + (long)(half + j) * ldc, m);
+    for (int i = 0; i < m; i++) {
+        float *row = c + (long)i * ldc, *out = c + (long)i * half;
+        swiglu_span(row, row + half, half); /* in place, then moved down: the same numbers */
+        if (out != row) memmove(out, row, half * sizeof(float));
+    }
     swiglu_calls++;
 }
 
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
                  const float *b, int ldb, float beta, float *c, int ldc) {
-    if (alpha == SWIGLU_ALPHA) {
+    if (alpha == SWIGLU_ALPHA && order == ROW_MAJOR && n % 2 == 0) {
         cblas_sgemm(order, ta, tb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
-        swiglu(order, m, n, c, ldc);
+        swiglu(m, n, c, ldc);
         return;
     }
     if (alpha == SCORES_ALPHA && order == ROW_MAJOR && ta == NO_TRANS && tb == TRANS && beta == 0.0f) {

@@ -275,7 +275,8 @@ def attention_available() -> bool:
 def swiglu_available() -> bool:
     """Whether mlx's products go through the library, so that one whose alpha is :data:`SWIGLU_ALPHA`
     computes ``c = a @ b`` (b's columns: a gate projection's, then an up projection's of the same width), then
-    ``silu(gate) * up`` into ``c``'s first half, in float32 by :func:`mlxpipe.cpu.layers.swiglu`'s operations."""
+    ``silu(gate) * up`` (m x width) packed row-major at ``c``'s start, in float32 by
+    :func:`mlxpipe.cpu.layers.swiglu`'s operations."""
     return _shim is not None
 
 

@@ -287,7 +287,8 @@ def _fused_mlp(base: type) -> type:
         rows = x.reshape(-1, x.shape[-1])
         gate = self.gate_proj.weight.shape[0]
         if rows.dtype == mx.float32 and gemv.swiglu_available():  # the SwiGLU too, in the product's call
-            hidden = mx.addmm(_ZERO, rows, _fused_transposed(self), alpha=gemv.SWIGLU_ALPHA, beta=0.0)[:, :gate]
+            both = mx.addmm(_ZERO, rows, _fused_transposed(self), alpha=gemv.SWIGLU_ALPHA, beta=0.0)
+            hidden = both.reshape(-1)[: rows.shape[0] * gate].reshape(-1, gate)  # packed at its start
         else:
             both = rows @ _fused_transposed(self)  # gate's outputs, then up's
             hidden = swiglu(both[:, :gate], both[:, gate:])
