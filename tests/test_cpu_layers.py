@@ -59,6 +59,18 @@ def test_rms_norm_matches_mx_fast(dtype: Any, shape: tuple[int, ...]) -> None:
     assert _close(fast(x), plain(x), dtype)
 
 
+def test_rms_norm_gives_the_same_float32_numbers_below_and_from_fast_rows() -> None:
+    # From FAST_ROWS rows on, mlx's own rms_norm: the numbers of a record's row must not depend on how many
+    # rows its batch has (greedy answers under --batch are --batch 1's).
+    mx.random.seed(2)
+    norm = layers.FastRMSNorm(576, eps=1e-5)
+    norm.weight = mx.random.normal((576,))
+    x = mx.random.normal((3 * layers.FastRMSNorm.FAST_ROWS, 1, 576)) * 4
+    together = norm(x)
+    for i in range(0, x.shape[0], 7):
+        assert mx.array_equal(norm(x[i : i + 1]), together[i : i + 1]).item()
+
+
 OFFSETS: list[Any] = [0, 1, 70, 4000, mx.array(70), mx.array([3, -2, 100])]  # last: BatchKVCache's per-row
 
 
