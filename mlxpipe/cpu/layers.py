@@ -66,7 +66,7 @@ def _rms_norm(eps: float) -> Callable[[mx.array, mx.array], mx.array]:
 
 class FastRMSNorm(RMSNorm):
     """``nn.RMSNorm`` computed by a compiled composition of plain ops instead of ``mx.fast.rms_norm`` for a
-    few rows (a single stream's step); from ``FAST_ROWS`` rows on mlx's own is the faster (the same numbers)."""
+    few rows (a single stream's step); from ``FAST_ROWS`` rows on mlx's own is the faster (same numbers)."""
 
     FAST_ROWS = 16
 
@@ -158,7 +158,7 @@ def _rotate_pairs_fn(x: mx.array, partner: mx.array, cos: mx.array, sin: mx.arra
     pairs = (*rot.shape[:-1], dims // 2, 2)
     r = rot.reshape(pairs)
     c, s = cos.astype(x.dtype), sin.astype(x.dtype)
-    out = (r * c.reshape(*c.shape[:-1], dims // 2, 2) + r[..., ::-1] * s.reshape(*s.shape[:-1], dims // 2, 2))
+    out = r * c.reshape(*c.shape[:-1], dims // 2, 2) + r[..., ::-1] * s.reshape(*s.shape[:-1], dims // 2, 2)
     out = out.reshape(rot.shape)
     return mx.concatenate([out, x[..., dims:]], axis=-1) if dims < x.shape[-1] else out
 
