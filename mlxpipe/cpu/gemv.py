@@ -72,8 +72,9 @@ QGEMM_ENV = "MLXPIPE_QGEMM"
 AMX_ENV = "MLXPIPE_AMX"
 AMX_ROWS = 16  # fewer rows than this: the AVX-512 kernels were faster (bench/RESULTS.md, issue 19)
 # One-row products of this many weights or more share their rows with the helper: the embedded model's
-# output layer (28M) gained, its MLP's (0.9M, ~50 us each) lost to the helper's wake-ups (RESULTS, issue 19).
-ONE_ROW_SHARED = 1 << 22
+# output layer (28M) and fused gate-and-up (1.8M) gain; its down and q-k-v products (0.9M, 0.55M, ~50 us
+# each) lose to the helper's wake-ups (RESULTS, issue 19, sixth and eighth sessions).
+ONE_ROW_SHARED = 1 << 20
 NO_COMPILER = "no C compiler (cc) found"
 FORWARDING = "one-row products go to sgemv"  # what install() returns once its cblas_sgemm is in front
 # Products whose alpha is one of these compute attention's parts instead (gemv.c, cpu.layers.attention):
