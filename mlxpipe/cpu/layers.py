@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import mlx.core as mx
@@ -79,7 +79,7 @@ class FastRMSNorm(RMSNorm):
 class _Angles:
     """The cos and sin of RoPE's rotation angles for positions 0, 1, …, kept and grown as positions come.
 
-    Laid out for :func:`_rotate`: ``cos`` spread over each rotated pair, ``sin`` signed for its partner.
+    Laid out for :func:`_rotate_fn`: ``cos`` spread over each rotated pair, ``sin`` signed for its partner.
     Every layer's RoPE of one configuration shares one table, and one slice of it per step.
     """
 
@@ -88,12 +88,8 @@ class _Angles:
         self.scale = scale
         # As mx.fast.rope's own composition computes them.
         self.inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (math.log(base) / half))
-        # Element i turns with element partner[i]: pairs (2k, 2k + 1) when traditional, else halves.
-        if traditional:
-            partner, first = [i ^ 1 for i in range(dims)], [i % 2 == 0 for i in range(dims)]
-        else:
-            partner, first = [(i + half) % dims for i in range(dims)], [i < half for i in range(dims)]
-        self.partner = mx.array(partner)
+        # Element i turns with its partner: pairs (2k, 2k + 1) when traditional, else halves.
+        first = [i % 2 == 0 if traditional else i < half for i in range(dims)]
         self.order = mx.array([k // 2 if traditional else k % half for k in range(dims)])
         self.sign = mx.array([-1.0 if f else 1.0 for f in first], dtype=mx.float32)
         self.cos = self.sin = mx.zeros((0, dims), dtype=mx.float32)
@@ -101,7 +97,7 @@ class _Angles:
         self.last_rows: tuple[mx.array, tuple[int, int], mx.array, mx.array] | None = None
 
     def spread(self, positions: mx.array) -> tuple[mx.array, mx.array]:
-        """cos and sin laid out for :func:`_rotate` at ``positions`` (float32; adds a last axis)."""
+        """cos and sin laid out for :func:`_rotate_fn` at ``positions`` (float32; adds a last axis)."""
         theta = (positions[..., None] * self.scale) * self.inv_freqs  # float32, as mx.fast.rope
         theta = mx.take(theta, self.order, axis=-1)
         return mx.cos(theta), mx.sin(theta) * self.sign
@@ -140,43 +136,23 @@ def _angles(dims: int, traditional: bool, base: float, scale: float) -> _Angles:
     return _Angles(dims, traditional, base, scale)
 
 
-def _rotate_fn(x: mx.array, partner: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+def _rotate_fn(traditional: bool, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     # x1 * cos - x2 * sin and x1 * sin + x2 * cos for every pair at once: x2 * -sin is -(x2 * sin) exactly.
+    # Each element's partner (its neighbour when traditional, else across the halves) is read through a view
+    # of x with the pairs or the halves reversed: no gather (mlx's CPU gather was ~8% of the operations of a
+    # --batch 64 step besides its products), no copy.
     traces["rope"] += 1
-    dims = partner.shape[0]
+    dims = cos.shape[-1]
     rot = x[..., :dims] if dims < x.shape[-1] else x
-    out = rot * cos.astype(x.dtype) + mx.take(rot, partner, axis=-1) * sin.astype(x.dtype)
+    split = (dims // 2, 2) if traditional else (2, dims // 2)
+    r, c, s = (a.reshape(*a.shape[:-1], *split) for a in (rot, cos.astype(x.dtype), sin.astype(x.dtype)))
+    partner = r[..., ::-1] if traditional else r[..., ::-1, :]
+    out = (r * c + partner * s).reshape(rot.shape)
     return mx.concatenate([out, x[..., dims:]], axis=-1) if dims < x.shape[-1] else out
 
 
-def _rotate_pairs_fn(x: mx.array, partner: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    # _rotate_fn where each element's partner is its neighbour (traditional): read through a view with each
-    # pair reversed, not gathered (mlx's CPU gather was ~8% of the other operations of a --batch 64 step).
-    traces["rope"] += 1
-    dims = partner.shape[0]
-    rot = x[..., :dims] if dims < x.shape[-1] else x
-    pairs = (*rot.shape[:-1], dims // 2, 2)
-    r = rot.reshape(pairs)
-    c, s = cos.astype(x.dtype), sin.astype(x.dtype)
-    out = r * c.reshape(*c.shape[:-1], dims // 2, 2) + r[..., ::-1] * s.reshape(*s.shape[:-1], dims // 2, 2)
-    out = out.reshape(rot.shape)
-    return mx.concatenate([out, x[..., dims:]], axis=-1) if dims < x.shape[-1] else out
-
-
-def _rotate_halves_fn(x: mx.array, partner: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    # _rotate_fn where each element's partner is across the halves (not traditional): the halves swapped
-    # by a copy, not a gather.
-    traces["rope"] += 1
-    dims, half = partner.shape[0], partner.shape[0] // 2
-    rot = x[..., :dims] if dims < x.shape[-1] else x
-    swapped = mx.concatenate([rot[..., half:], rot[..., :half]], axis=-1)
-    out = rot * cos.astype(x.dtype) + swapped * sin.astype(x.dtype)
-    return mx.concatenate([out, x[..., dims:]], axis=-1) if dims < x.shape[-1] else out
-
-
-_rotate = mx.compile(_rotate_fn)
-_rotate_pairs = mx.compile(_rotate_pairs_fn)
-_rotate_halves = mx.compile(_rotate_halves_fn)
+_rotate_pairs = mx.compile(partial(_rotate_fn, True))
+_rotate_halves = mx.compile(partial(_rotate_fn, False))
 
 
 class FastRoPE(RoPE):
@@ -199,7 +175,7 @@ class FastRoPE(RoPE):
         else:  # positions (B or 1, 1, …, T): one offset per row, or one for all
             pos = offset.astype(mx.float32).reshape((-1,) + (1,) * (x.ndim - 2))
             cos, sin = angles.spread(pos + mx.arange(t, dtype=mx.float32))
-        return (_rotate_pairs if self.traditional else _rotate_halves)(x, angles.partner, cos, sin)
+        return (_rotate_pairs if self.traditional else _rotate_halves)(x, cos, sin)
 
 
 # tanh(x) on |x| <= 7.905 (beyond it tanh rounds to +-1 in float32) as an odd 13/6 rational function: the
