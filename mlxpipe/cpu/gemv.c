@@ -1743,8 +1743,9 @@ static float swiglu_scalar(float g, float x) {
 }
 
 #ifdef X86_AVX512
-/* target avx2 without fma: the compiler cannot fuse a multiply and an add */
-__attribute__((target("avx2"))) static void swiglu_avx2(float *g, const float *x, int n) {
+/* out[0..j) = silu(g) * x for the whole vectors of n; j. target avx2 without fma: the compiler cannot fuse a
+ * multiply and an add. */
+__attribute__((target("avx2"))) static int swiglu_avx2(float *out, const float *g, const float *x, int n) {
     int j = 0;
     __m256 half = _mm256_set1_ps(0.5f), lo = _mm256_set1_ps(-TANH_CLAMP), hi = _mm256_set1_ps(TANH_CLAMP);
     for (; j + 8 <= n; j += 8) {
@@ -1757,35 +1758,33 @@ __attribute__((target("avx2"))) static void swiglu_avx2(float *g, const float *x
         q = _mm256_add_ps(_mm256_mul_ps(q, t2), _mm256_set1_ps(TANH_Q[0]));
         __m256 r = _mm256_div_ps(_mm256_mul_ps(half, _mm256_mul_ps(p, t)), q);
         r = _mm256_mul_ps(gv, _mm256_add_ps(half, r));
-        _mm256_storeu_ps(g + j, _mm256_mul_ps(r, _mm256_loadu_ps(x + j)));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(r, _mm256_loadu_ps(x + j)));
     }
-    for (; j < n; j++) g[j] = swiglu_scalar(g[j], x[j]);
+    return j;
 }
 #endif
 
 static long swiglu_calls;
 long mlxpipe_swiglu_calls(void) { return swiglu_calls; }
 
-/* g[0..n) = silu(g) * x elementwise. */
-static void swiglu_span(float *g, const float *x, int n) {
+/* out[0..n) = silu(g) * x elementwise (out may be g). */
+static void swiglu_span(float *out, const float *g, const float *x, int n) {
+    int j = 0;
 #ifdef X86_AVX512
-    if (!attention_portable && kernels()) {
-        swiglu_avx2(g, x, n);
-        return;
-    }
+    if (!attention_portable && kernels()) j = swiglu_avx2(out, g, x, n);
 #endif
-    for (int j = 0; j < n; j++) g[j] = swiglu_scalar(g[j], x[j]);
+    for (; j < n; j++) out[j] = swiglu_scalar(g[j], x[j]);
 }
 
 /* c (m x n, row-major, ldc >= n: the gate's columns, then up's) becomes silu(gate) * up as an m x n / 2
  * matrix packed at its start (row i at c + i n / 2): a contiguous array for the next product, no copy.
- * Rows in order: row i's result lands on rows before i, already read (i n / 2 + n / 2 <= i ldc). */
+ * Rows in order: row i's result lands on rows before i, already read (i n / 2 + n / 2 <= i ldc); row 0's
+ * on its own gate, element by element. */
 static void swiglu(int m, int n, float *c, int ldc) {
     int half = n / 2;
     for (int i = 0; i < m; i++) {
-        float *row = c + (long)i * ldc, *out = c + (long)i * half;
-        swiglu_span(row, row + half, half); /* in place, then moved down: the same numbers */
-        if (out != row) memmove(out, row, half * sizeof(float));
+        const float *row = c + (long)i * ldc;
+        swiglu_span(c + (long)i * half, row, row + half, half);
     }
     swiglu_calls++;
 }
