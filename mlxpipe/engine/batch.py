@@ -100,13 +100,17 @@ def _prompt_batch() -> Any:
         """mlx-lm's prompts being read, whose records move on to decoding as :class:`_Primed`, and without a
         copy of their KV caches when all of them move (mlx-lm's split copies them twice)."""
 
+        def _hand_over(self) -> None:
+            """Leave no record here: their lists now belong to another batch."""
+            self.uids, self.prompt_cache, self.tokens, self.samplers = [], [], [], []
+            self.logits_processors, self.max_tokens, self.stop_sequences = [], [], []
+
         def split(self, indices: list[int]) -> Any:
             if sorted(indices) != list(range(len(self.uids))):
                 return super().split(indices)
             whole = PromptProcessingBatch.__new__(type(self))
             whole.__dict__.update(self.__dict__)
-            self.uids, self.prompt_cache, self.tokens, self.samplers = [], [], [], []
-            self.logits_processors, self.max_tokens, self.stop_sequences = [], [], []
+            self._hand_over()
             return whole
 
         def generate(self, tokens: list[list[int]]) -> Any:
@@ -126,8 +130,7 @@ def _prompt_batch() -> Any:
                 self.stop_sequences,
                 self.max_tokens,
             )
-            self.uids, self.prompt_cache, self.tokens, self.samplers = [], [], [], []
-            self.logits_processors, self.max_tokens = [], []
+            self._hand_over()
             return primed
 
     return _Prompts, _Primed
