@@ -473,8 +473,9 @@ def test_amx_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -
             # A row's sums do not depend on the rows beside it (its tile's other columns, the pass it is in).
             alone = _product(shim, w, np.ascontiguousarray(x[[m - 1, 0]]), 0.5)[0]
             assert (alone[0] == together[m - 1]).all() and (alone[1] == together[0]).all()
-    # Groups other than 32 stay on the float32 kernels: a row's sums are the one-row kernel's.
-    x = rng.standard_normal((20, 512)).astype(np.float32)
+    # Groups other than 32 stay on the float32 kernels (below 16 rows, not the GEMM's): a row's sums are the
+    # one-row kernel's.
+    x = rng.standard_normal((12, 512)).astype(np.float32)
     for group, amx in [(64, 2), (32, 0)]:  # groups of 64 stay on float32 kernels; then MLXPIPE_AMX=off
         shim.mlxpipe_qgemm_amx(amx)
         w, *_alive = _registered(shim, rng, 64, 512, 4, group)
@@ -504,3 +505,34 @@ def test_avx2_gemm_products_match_numpy_and_depend_on_their_row_alone(openblas: 
         order = rng.permutation(20)  # and wherever they stand
         moved = _product(shim, w, np.ascontiguousarray(x[order]), 0.5)[0]
         assert (moved[np.argsort(order)][:16] == first).all()
+
+
+def test_avx512_gemm_products_are_the_avx2_gemms_to_the_last_bit(openblas: Any) -> None:
+    # Products of 16 rows or more with the AVX-512 kernels: the AVX2 GEMM's sums on 16 lanes, k in chunks of
+    # 256 columns, 12 rows of W a tile (so the same numbers on either kind of x86-64 CPU).
+    shim = _own_shim(openblas, quantized=True)
+    gemm512 = getattr(shim, "mlxpipe_qgemm_gemm512", None)
+    if gemm512 is None or not gemm512(16):
+        pytest.skip("no AVX-512 on this CPU")
+    rng = np.random.default_rng(23)
+
+    # Partial tiles of 12 rows of W and of 32 or 16 of A; k of one chunk, of a partial last chunk (288, 1536 =
+    # 6 x 256), 4 and 8 bits, groups of 32 and 64, the helper or not; 300 rows: chunks of 64.
+    shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
+    shapes += [(40, 288, 4, 32), (13, 128, 8, 32)]
+    try:
+        for (n, k, bits, group), threads in itertools.product(shapes, [1, 2]):
+            shim.mlxpipe_qgemm_threads(threads)
+            w, *_alive = _registered(shim, rng, n, k, bits, group)
+            x = rng.standard_normal((300, k + 5)).astype(np.float32)[:, :k]  # a row stride other than k
+            for m in [16, 17, 33, 64, 300]:
+                want = 0.5 * (x[:m].astype(np.float64) @ w.T.astype(np.float64))
+                wide = _product(shim, w, x[:m], 0.5)[0]
+                np.testing.assert_allclose(wide, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+                shim.mlxpipe_qgemv_avx2(1)
+                narrow = _product(shim, w, x[:m], 0.5)[0]
+                shim.mlxpipe_qgemv_avx2(0)
+                assert (wide == narrow).all(), (n, k, bits, group, m)
+    finally:
+        shim.mlxpipe_qgemv_avx2(0)
+        shim.mlxpipe_qgemm_threads(1)

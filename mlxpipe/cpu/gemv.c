@@ -671,6 +671,116 @@ __attribute__((target("avx2,fma"))) static int gemm_rows_avx2(const qmat *m, con
     return 1;
 }
 
+/* ---- the same GEMM with AVX-512: a tile of 12 rows of W by 32 of A (24 sums in registers) -----------------
+ * Its sums are the AVX2 GEMM's, each over k in the same order (one multiply-add a step), so a row's results
+ * are those the AVX2 GEMM gives it, on 16 lanes instead of 8. k goes in chunks of GEMM_KB columns, W's rows
+ * dequantized GEMM_KB apart: the broadcasts' offsets are constants (12 row offsets in registers spilled). */
+enum { GEMM_W16 = 12, GEMM_KB = 256 };
+static int gemm512_min_rows = 16; /* products of fewer rows keep the kernels above */
+
+/* Sets the fewest rows of A for the AVX-512 GEMM (1 << 30: never; bench and tests); whether it runs here. */
+int mlxpipe_qgemm_gemm512(int rows) {
+    gemm512_min_rows = rows;
+    return kernels() == 2;
+}
+
+/* Columns [j0, j1) (multiples of 16, in the kernels' order) of W's rows r .. r + rows, GEMM_KB apart in w:
+ * fma(q, scale, bias), the weights of every kernel. `group` a constant where inlined. */
+__attribute__((target("avx512f,avx512bw,fma"), always_inline)) static inline void
+gemm_weights512_group(const qmat *m, int group, int r, int rows, int j0, int j1, float *w) {
+    int k = m->k, groups = k / group, k2 = k / 2, half = group / 2;
+    for (int i = 0; i < rows; i++) {
+        const float *s = m->scales + (long)(r + i) * groups, *b = m->biases + (long)(r + i) * groups;
+        float *wi = w + (long)i * GEMM_KB - j0;
+        if (m->bits == 4) {
+            const uint8_t *q = m->q + (long)(r + i) * k2;
+            for (int j = j0; j < j1; j += 16) { /* 16 columns lie in one group: half is a multiple of 16 */
+                int odd = j >= k2, byte = odd ? j - k2 : j, g = byte / half;
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + byte)));
+                v = odd ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
+                _mm512_storeu_ps(wi + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(s[g]),
+                                                         _mm512_set1_ps(b[g])));
+            }
+        } else {
+            const uint8_t *q = m->q + (long)(r + i) * k;
+            for (int j = j0; j < j1; j += 16) {
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j)));
+                _mm512_storeu_ps(wi + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(s[j / group]),
+                                                         _mm512_set1_ps(b[j / group])));
+            }
+        }
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,fma"))) static void gemm_weights512(const qmat *m, int r, int rows, int j0,
+                                                                           int j1, float *w) {
+    if (m->group == 32) gemm_weights512_group(m, 32, r, rows, j0, j1, w);
+    else gemm_weights512_group(m, m->group, r, rows, j0, j1, w);
+}
+
+/* sums[rr][l] (+)= W's rows in w (R x kc, GEMM_KB apart) times at's columns from ap (kc rows, mpad apart),
+ * 16 * NA of them; sums start at zero when `first`. */
+__attribute__((target("avx512f,fma"), always_inline)) static inline void
+gemm_tile512(const int R, const int NA, const float *w, int kc, const float *ap, int mpad, float *sums, int first) {
+    __m512 acc[GEMM_W16][2];
+    _Pragma("GCC unroll 12") for (int rr = 0; rr < R; rr++) {
+        acc[rr][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + rr * 32);
+        acc[rr][1] = first || NA < 2 ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + rr * 32 + 16);
+    }
+    for (int j = 0; j < kc; j++, ap += mpad) {
+        __m512 a0 = _mm512_loadu_ps(ap), a1 = NA > 1 ? _mm512_loadu_ps(ap + 16) : a0;
+        _Pragma("GCC unroll 12") for (int rr = 0; rr < R; rr++) {
+            __m512 wv = _mm512_set1_ps(w[rr * GEMM_KB + j]);
+            acc[rr][0] = _mm512_fmadd_ps(wv, a0, acc[rr][0]);
+            if (NA > 1) acc[rr][1] = _mm512_fmadd_ps(wv, a1, acc[rr][1]);
+        }
+    }
+    _Pragma("GCC unroll 12") for (int rr = 0; rr < R; rr++) {
+        _mm512_storeu_ps(sums + rr * 32, acc[rr][0]);
+        if (NA > 1) _mm512_storeu_ps(sums + rr * 32 + 16, acc[rr][1]);
+    }
+}
+
+/* at's columns 32 at a time, the last 16 or fewer alone (mpad is a multiple of 16, its columns past M zero) */
+#define GEMM_TILES512(R_)                                                                                     \
+    for (int i0 = 0, t = 0; i0 < M; i0 += 32, t++)                                                            \
+        if (M - i0 > 16) gemm_tile512(R_, 2, w, j1 - j0, at + (long)j0 * mpad + i0, mpad, sums + t * 384, !j0); \
+        else gemm_tile512(R_, 1, w, j1 - j0, at + (long)j0 * mpad + i0, mpad, sums + t * 384, !j0)
+
+/* Rows [r0, r1) of c^T: W's rows twelve at a time against every column of at (M <= GEMM_CHUNK of them, mpad
+ * apart). */
+__attribute__((target("avx512f,avx512bw,fma"))) static int gemm_rows_avx512(const qmat *m, const float *at, int mpad,
+                                                                            int M, float *c, int ldc, int r0,
+                                                                            int r1) {
+    float w[GEMM_W16 * GEMM_KB] __attribute__((aligned(64)));
+    float sums[(GEMM_CHUNK + 31) / 32 * GEMM_W16 * 32] __attribute__((aligned(64))); /* [tile][rr][32] */
+    int k = m->k;
+    for (int r = r0; r < r1; r += GEMM_W16) {
+        int rows = r1 - r < GEMM_W16 ? r1 - r : GEMM_W16;
+        for (int j0 = 0; j0 < k; j0 += GEMM_KB) {
+            int j1 = k - j0 < GEMM_KB ? k : j0 + GEMM_KB;
+            gemm_weights512(m, r, rows, j0, j1, w);
+            switch (rows) { /* a constant count of W's rows: their sums stay in registers */
+            case 12: GEMM_TILES512(12); break;
+            case 11: GEMM_TILES512(11); break;
+            case 10: GEMM_TILES512(10); break;
+            case 9: GEMM_TILES512(9); break;
+            case 8: GEMM_TILES512(8); break;
+            case 7: GEMM_TILES512(7); break;
+            case 6: GEMM_TILES512(6); break;
+            case 5: GEMM_TILES512(5); break;
+            case 4: GEMM_TILES512(4); break;
+            case 3: GEMM_TILES512(3); break;
+            case 2: GEMM_TILES512(2); break;
+            default: GEMM_TILES512(1); break;
+            }
+        }
+        for (int i = 0; i < M; i++)
+            for (int rr = 0; rr < rows; rr++) c[(long)i * ldc + r + rr] = sums[(i / 32) * 384 + rr * 32 + i % 32];
+    }
+    return 1;
+}
+
 /* ---- the same products on AMX tiles (bfloat16), where the CPU has them ---------------------------------
  * Past ~16 rows the float32 kernels above are compute-bound. AMX multiplies 16x32 bfloat16 tiles in one
  * instruction: a tile of 16 rows of W (their quantized values q, exact in bfloat16) by one of x for 16 rows
@@ -1070,7 +1180,8 @@ static int work(job_t *j) {
         int r0 = s * j->stretch, r1 = r0 + j->stretch < j->m->n ? r0 + j->stretch : j->m->n;
         if (j->one_row && j->m->bits == 4) rows4(j->m, j->xe, j->xo, j->xsum, r0, r1, j->c);
         else if (j->one_row) rows8(j->m, j->xe, j->xsum, r0, r1, j->c);
-        else if (j->at ? !gemm_rows_avx2(j->m, j->at, j->mpad, j->M, j->c, j->ldc, r0, r1)
+        else if (j->at ? !(kernels() == 2 ? gemm_rows_avx512 : gemm_rows_avx2)(j->m, j->at, j->mpad, j->M, j->c,
+                                                                                 j->ldc, r0, r1)
                  : j->xt ? !amx_rows(j->m, j->xt, j->xs, j->blocks, j->M, j->c, j->ldc, r0, r1)
                          : !qgemm_rows(j->m, j->M, j->a, j->lda, j->c, j->ldc, r0, r1))
             atomic_store(&j->failed, 1);
@@ -1164,7 +1275,8 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
                 return 0;
         return 1;
     }
-    int gemm = kernels() == 1 && M >= GEMM_MIN_ROWS;
+    int amx = M >= amx_min_rows && m->group == 32;
+    int gemm = !amx && M >= (kernels() == 2 ? gemm512_min_rows : GEMM_MIN_ROWS) && kernels() > 0;
     if (gemm && M > GEMM_CHUNK) { /* at stays in L2 (a prompt's product can have thousands of rows) */
         for (int i0 = 0; i0 < M; i0 += GEMM_CHUNK)
             if (!qgemm(m, M - i0 < GEMM_CHUNK ? M - i0 : GEMM_CHUNK, a + (long)i0 * lda, lda, alpha,
@@ -1200,15 +1312,16 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
         if (n / 16 + 1 < stretch) stretch = n / 16 + 1;
         /* the GEMM keeps no stretch of W in L2 for A's rows: stretches of ~1M multiply-adds end together */
         if (at && (long)stretch * M * m->k > GEMM_STRETCH) {
-            stretch = (int)(GEMM_STRETCH / ((long)M * m->k)) / GEMM_W * GEMM_W;
-            if (stretch < GEMM_W) stretch = GEMM_W;
+            int gw = kernels() == 2 ? GEMM_W16 : GEMM_W;
+            stretch = (int)(GEMM_STRETCH / ((long)M * m->k)) / gw * gw;
+            if (stretch < gw) stretch = gw;
         }
     }
     if (stretch < 1) stretch = 1;
     const uint8_t *xt = 0;
     const float *xs = 0;
     int blocks = (M + 15) / 16;
-    if (M >= amx_min_rows && m->group == 32) { /* A packed once for every stretch, of both threads */
+    if (amx) { /* A packed once for every stretch, of both threads */
         static __thread uint8_t *packed;
         static __thread float *packed_sums;
         static __thread long packed_len;

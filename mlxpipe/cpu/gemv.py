@@ -17,9 +17,9 @@ is cut).
 ``MLXPIPE_QGEMM=off`` keeps those several-row products on the BLAS. Where the CPU has AMX (bfloat16 tiles),
 products of ``AMX_ROWS`` rows or more use it instead: a row's sums then still depend on that row alone, but
 are added in another order than the one-row kernels add them (the last bits can differ from ``--batch 1``'s);
-``MLXPIPE_AMX=off`` keeps them on the AVX-512 kernels. On a CPU with AVX2 but not AVX-512, products of 16
-rows or more are a GEMM on W's dequantized rows, in the same sense: each row's sums depend on it alone, in
-another order than the one-row kernels'. A large one-row product (a single stream's output
+``MLXPIPE_AMX=off`` keeps them on the AVX-512 kernels. Otherwise products of 16 rows or more are a GEMM on
+W's dequantized rows (AVX-512 or AVX2, the same sums on either), in the same sense: each row's sums depend on
+it alone, in another order than the one-row kernels'. A large one-row product (a single stream's output
 layer) shares its rows with the helper thread too (:func:`share_one_rows`), each row summed as alone.
 """
 
