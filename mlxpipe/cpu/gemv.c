@@ -1206,10 +1206,16 @@ void mlxpipe_qgemm_shared_stats(long *out) {
     out[0] = shared_calls, out[1] = helper_stretches, out[2] = all_stretches, out[3] = alone_spells;
 }
 
+static atomic_int helper_asleep; /* set while the helper may be in the futex: only then is it woken */
+
 static void *helper(void *unused) {
     (void)unused;
     for (int seen = atomic_load(&job_gen);;) {
-        while (atomic_load(&job_gen) == seen) futex(&job_gen, FUTEX_WAIT_PRIVATE, seen);
+        while (atomic_load(&job_gen) == seen) {
+            atomic_store(&helper_asleep, 1);
+            if (atomic_load(&job_gen) == seen) futex(&job_gen, FUTEX_WAIT_PRIVATE, seen);
+            atomic_store(&helper_asleep, 0);
+        }
         seen = atomic_load(&job_gen);
         work(&job);
     }
@@ -1224,7 +1230,7 @@ static int run_shared(job_t *j) {
     atomic_store(&j->failed, 0);
     atomic_store(&j->sleeping, 0);
     atomic_fetch_add(&job_gen, 1);
-    futex(&job_gen, FUTEX_WAKE_PRIVATE, 1);
+    if (atomic_load(&helper_asleep)) futex(&job_gen, FUTEX_WAKE_PRIVATE, 1);
     double start = now();
     int mine_done = work(j);
     double t0 = now();
