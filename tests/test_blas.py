@@ -470,3 +470,30 @@ def test_installed_distributions_are_what_importlib_metadata_finds() -> None:
         assert (location is not None) == bool(found), name
         if location is not None:
             assert str(Path(location).resolve()) in found
+
+
+# An 8 MiB malloc in a fresh process: glibc maps it from the kernel (its threshold starts at 128 KiB) unless
+# mlxpipe.cpu set the threshold to 32 MiB, when it comes from the heap, below the program break.
+_HEAP_OR_MAPPED = """
+import ctypes, sys
+import mlxpipe.cpu
+libc = ctypes.CDLL(None)
+libc.malloc.restype = libc.sbrk.restype = ctypes.c_void_p
+libc.malloc.argtypes, libc.sbrk.argtypes = [ctypes.c_size_t], [ctypes.c_long]
+block = libc.malloc(8 << 20)
+print("heap" if block < libc.sbrk(0) else "mapped")
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+@pytest.mark.parametrize(("switch", "where"), [("", "heap"), ("off", "mapped")])
+def test_large_buffers_come_from_the_heap_unless_turned_off(switch: str, where: str) -> None:
+    try:
+        ctypes.CDLL(None).mallopt  # noqa: B018 (glibc has it, musl not)
+    except AttributeError:
+        pytest.skip("not glibc")
+    env = {**cli_env(), "MLXPIPE_MALLOC": switch}
+    code = [sys.executable, "-c", _HEAP_OR_MAPPED]
+    out = subprocess.run(code, capture_output=True, text=True, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == where

@@ -4,6 +4,7 @@
 - :mod:`.gemv` (with ``gemv.c``): one-row matrix products, from the quantized bytes where the engine attached
   them (:mod:`.quantized`).
 - :mod:`.layers`: compiled stand-ins for mlx-lm layers that have no CPU kernel.
+- :mod:`.memory`: glibc's malloc set to reuse freed buffers (mlx's arrays are malloc'd one by one).
 
 Importing this package makes mlx safe to import: the BLAS has to be loaded *before* mlx is first imported
 (it decides what mlx's matmuls bind to), so :func:`.blas.setup` runs here, once, and every room that imports
@@ -16,8 +17,10 @@ from typing import Any
 
 from ..errors import NoBackend, first_line
 from .blas import setup
+from .memory import keep_freed_memory
 
 setup()
+keep_freed_memory()
 
 # What Linux says when mlx's library is missing: plain `mlx` ships the Python module, and `mlx-cpu` or
 # `mlx-cuda-*` the libmlx.so it links to (ImportError: "libmlx.so: cannot open shared object file: ...").

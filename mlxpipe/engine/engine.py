@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx_lm.models import llama
 
 from .. import models
-from ..cpu import blas, gemv, layers, quantized
+from ..cpu import blas, gemv, layers, memory, quantized
 from ..errors import ModelError, first_line
 from ..events import Chunk, Done, decode_tps
 from ..records import Record
@@ -142,6 +142,7 @@ class Engine:
         info["dtype"] = self.dtype
         info["dtype_reason"] = self.dtype_reason
         info["blas"] = blas.setup().info()
+        info["malloc"] = memory.keep_freed_memory()
         threads = blas.threads()
         if threads is not None:
             info["blas"]["threads"] = threads  # now: 1 while one stream decodes, else the default
