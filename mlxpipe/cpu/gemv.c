@@ -694,19 +694,23 @@ gemm_weights512_group(const qmat *m, int group, int r, int rows, int j0, int j1,
         float *wi = w + (long)i * GEMM_KB - j0;
         if (m->bits == 4) {
             const uint8_t *q = m->q + (long)(r + i) * k2;
-            for (int j = j0; j < j1; j += 16) { /* 16 columns lie in one group: half is a multiple of 16 */
-                int odd = j >= k2, byte = odd ? j - k2 : j, g = byte / half;
-                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + byte)));
-                v = odd ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
-                _mm512_storeu_ps(wi + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(s[g]),
-                                                         _mm512_set1_ps(b[g])));
+            for (int odd = 0; odd < 2; odd++) { /* the even columns (low nibbles), then the odd ones */
+                int start = odd * k2, from = j0 > start ? j0 : start, to = j1 < start + k2 ? j1 : start + k2;
+                for (int j = from; j < to; j += 16) { /* 16 columns lie in one group: half is a multiple of 16 */
+                    unsigned byte = (unsigned)(j - start), g = byte / (unsigned)half;
+                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + byte)));
+                    v = odd ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
+                    _mm512_storeu_ps(wi + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(s[g]),
+                                                             _mm512_set1_ps(b[g])));
+                }
             }
         } else {
             const uint8_t *q = m->q + (long)(r + i) * k;
             for (int j = j0; j < j1; j += 16) {
                 __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j)));
-                _mm512_storeu_ps(wi + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(s[j / group]),
-                                                         _mm512_set1_ps(b[j / group])));
+                unsigned g = (unsigned)j / (unsigned)group;
+                _mm512_storeu_ps(wi + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(s[g]),
+                                                         _mm512_set1_ps(b[g])));
             }
         }
     }
