@@ -1211,8 +1211,8 @@ void mlxpipe_qgemm_shared_stats(long *out) {
 }
 
 static atomic_int helper_asleep; /* set while the helper may be in the futex: only then is it woken */
-/* Seconds the helper polls for the next product before it sleeps: a step's products come ~0.1 ms apart, and a
- * futex wake-up on a VM can take longer than a 16-row product (bench/RESULTS.md, issue 19). */
+/* Seconds the helper polls for the next product of several rows before it sleeps: a batch step's products come
+ * ~0.1 ms apart, and a futex wake-up on a VM can take longer than a 16-row product (bench/RESULTS.md, issue 19). */
 static double helper_spin = 1e-4;
 
 /* Sets that poll (microseconds; 0: sleep at once) for bench and tests. */
@@ -1220,8 +1220,8 @@ void mlxpipe_qgemm_helper_spin(int us) { helper_spin = us * 1e-6; }
 
 static void *helper(void *unused) {
     (void)unused;
-    for (int seen = atomic_load(&job_gen);;) {
-        if (helper_spin > 0)
+    for (int seen = atomic_load(&job_gen), polls = 0;;) {
+        if (polls)
             for (double t0 = now(); atomic_load(&job_gen) == seen && now() - t0 < helper_spin;)
                 for (int i = 0; i < 32; i++) _mm_pause();
         while (atomic_load(&job_gen) == seen) {
@@ -1230,6 +1230,8 @@ static void *helper(void *unused) {
             atomic_store(&helper_asleep, 0);
         }
         seen = atomic_load(&job_gen);
+        /* not after a single stream's product: Python builds its next step meanwhile and needs the core */
+        polls = helper_spin > 0 && !job.one_row;
         work(&job);
     }
     return NULL;
