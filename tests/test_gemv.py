@@ -341,18 +341,28 @@ def test_one_row_products_shared_with_the_helper_are_the_ones_computed_alone(
         shim.mlxpipe_qgemm_threads(1)
         alone = one_row(w, x)
         shim.mlxpipe_qgemm_threads(2)
-        shim.mlxpipe_qgemv_shared_min(1)  # every one-row product shared
+        shim.mlxpipe_qgemv_shared_min(1)  # every one-row product shared, whatever its time alone
+        shim.mlxpipe_qgemv_shared_us(0)
         shim.mlxpipe_qgemm_shared_stats(stats)
         shared_before = stats[0]
         for _ in range(20):  # the helper joins some of them, maybe late; each row is one thread's sum
             assert (one_row(w, x) == alone).all(), (n, k, bits)
         shim.mlxpipe_qgemm_shared_stats(stats)
         assert stats[0] > shared_before  # (a slow helper is left out for 50 ms, not for good)
+        shim.mlxpipe_qgemv_shared_us(1_000_000)  # shared only past a second alone: none (once timed)
+        one_row(w, x)
+        shim.mlxpipe_qgemm_shared_stats(stats)
+        shared_before = stats[0]
+        for _ in range(5):
+            assert (one_row(w, x) == alone).all()
+        shim.mlxpipe_qgemm_shared_stats(stats)
+        assert stats[0] == shared_before
         shim.mlxpipe_qgemv_shared_min(0)  # none shared: as alone
         assert (one_row(w, x) == alone).all()
     want = x.astype(np.float64) @ w.T.astype(np.float64)
     np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     shim.mlxpipe_qgemv_shared_min(gemv.ONE_ROW_SHARED)  # (the process's own library, if it is loaded)
+    shim.mlxpipe_qgemv_shared_us(90)  # (gemv.c's default)
 
 
 @pytest.mark.model

@@ -1814,6 +1814,14 @@ static int attention_product(int m, int n, int k, const float *a, int lda, const
 /* One-row products of at least this many weights share their rows with the helper (0: none). */
 static long one_row_min = 1L << 40;
 enum { ONE_ALONE_MS = 50 }; /* how long one-row products go on alone after the helper was slow */
+/* A one-row product that takes less than this alone is not shared: the helper's wake-up costs the caller more
+ * (a fused gate-and-up product of 1.8M weights, ~60 us alone on a Zen 5 core, ran ~20% slower a token shared;
+ * ~120 us on a Zen 3 core, ~9% faster: bench/RESULTS.md, issue 19). */
+static int one_shared_us = 90;
+static double one_row_rate; /* weights a second of one-row products computed alone, a running mean (0: none yet) */
+
+/* Sets that time (microseconds; 0: share by size alone), for tests. */
+void mlxpipe_qgemv_shared_us(int us) { one_shared_us = us; }
 static double one_alone_until;
 
 /* Sets the fewest weights a one-row product shares with the helper (0: never shared); starts afresh. */
@@ -1826,15 +1834,20 @@ void mlxpipe_qgemv_shared_min(long weights) {
  * helper free. Each row's sum is computed as alone, by one thread: the numbers do not depend on the split. */
 static void one_rows(const qmat *m, const float *xe, const float *xo, const float *xsum, float *c) {
     int n = m->n;
-    int shared = qgemm_threads > 1 && (long)n * m->k >= one_row_min && now() >= one_alone_until;
+    long weights = (long)n * m->k;
+    int shared = qgemm_threads > 1 && weights >= one_row_min && now() >= one_alone_until &&
+                 (one_row_rate == 0 || weights >= one_row_rate * (one_shared_us * 1e-6));
     shared = shared && !atomic_exchange(&job_busy, 1);
     if (shared && !start_helper()) {
         atomic_store(&job_busy, 0);
         shared = 0;
     }
     if (!shared) {
+        double start = now();
         if (m->bits == 4) rows4(m, xe, xo, xsum, 0, n, c);
         else rows8(m, xe, xsum, 0, n, c);
+        double rate = weights / (now() - start + 1e-9);
+        one_row_rate = one_row_rate == 0 ? rate : one_row_rate + (rate - one_row_rate) / 8;
         return;
     }
     long row_bytes = (long)m->k * m->bits / 8 + 2L * (m->k / m->group) * sizeof(float);
