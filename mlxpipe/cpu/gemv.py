@@ -71,9 +71,10 @@ ENV = "MLXPIPE_GEMV"
 QGEMM_ENV = "MLXPIPE_QGEMM"
 AMX_ENV = "MLXPIPE_AMX"
 AMX_ROWS = 16  # fewer rows than this: the AVX-512 kernels were faster (bench/RESULTS.md, issue 19)
-# One-row products of this many weights or more share their rows with the helper: the embedded model's
-# output layer (28M) and fused gate-and-up (1.8M) gain; its down and q-k-v products (0.9M, 0.55M, ~50 us
-# each) lose to the helper's wake-ups (RESULTS, issue 19, sixth and eighth sessions).
+# One-row products of this many weights or more share their rows with the helper, if they also take 90 us or
+# more alone on this machine (gemv.c times them): the embedded model's output layer (28M) gains; its fused
+# gate-and-up (1.8M) gained on a Zen 3 core (~120 us) and lost on a Zen 5 (~60 us); its down and q-k-v
+# products (0.9M, 0.55M) lose to the helper's wake-ups (RESULTS, issue 19, sixth, eighth, ninth sessions).
 ONE_ROW_SHARED = 1 << 20
 NO_COMPILER = "no C compiler (cc) found"
 FORWARDING = "one-row products go to sgemv"  # what install() returns once its cblas_sgemm is in front
@@ -252,7 +253,8 @@ def use_threads(threads: int) -> None:
 
 def share_one_rows(weights: int) -> None:
     """Let one-row products of at least ``weights`` weights by attached matrices share their rows with the
-    helper (0: none; :data:`ONE_ROW_SHARED` by default). Each row is still summed by one thread, as alone: the
+    helper (0: none; :data:`ONE_ROW_SHARED` by default), when they take 90 us or more alone on this machine (a
+    running mean of its one-row speed). Each row is still summed by one thread, as alone: the
     numbers do not change. Only while :func:`use_threads` allows the helper; after it made a product wait, it
     is left out for 50 ms."""
     if _shim is not None:
