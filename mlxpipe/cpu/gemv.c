@@ -1936,6 +1936,25 @@ static void swiglu(int m, int n, float *c, int ldc) {
     swiglu_calls++;
 }
 
+/* mlx makes a batch's attention products one (record, KV head) at a time, each block of keys (or values) a
+ * fixed stride after the one before: the block two calls ahead is fetched while this one is computed (a decode
+ * step reads every record's KV cache from memory, and waiting for it was half of attention's time). */
+static int attention_prefetch = 2; /* blocks ahead: 1, 2, 3 side by side, 2 the fastest (0: none) */
+
+void mlxpipe_attention_prefetch(int ahead) { attention_prefetch = ahead; }
+
+static void prefetch_next(const float *b, long bytes) {
+    static __thread const char *last;
+    static __thread long stride;
+    const char *here = (const char *)b;
+    long step = here - last;
+#ifdef X86_AVX512
+    if (attention_prefetch && step == stride && step != 0)
+        for (long i = 0; i < bytes; i += 64) _mm_prefetch(here + attention_prefetch * step + i, _MM_HINT_T0);
+#endif
+    stride = step, last = here;
+}
+
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
                  const float *b, int ldb, float beta, float *c, int ldc) {
     if (alpha == SWIGLU_ALPHA && order == ROW_MAJOR && n % 2 == 0) {
@@ -1944,12 +1963,14 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
         return;
     }
     if (alpha == SCORES_ALPHA && order == ROW_MAJOR && ta == NO_TRANS && tb == TRANS && beta == 0.0f) {
+        prefetch_next(b, (long)n * ldb * sizeof(float));
         attention_scores(m, n, k, a, lda, b, ldb, c, ldc);
         return;
     }
-    if (alpha == SOFTMAX_ALPHA && order == ROW_MAJOR && ta == NO_TRANS && tb == NO_TRANS && beta == 0.0f &&
-        attention_product(m, n, k, a, lda, b, ldb, c, ldc))
-        return;
+    if (alpha == SOFTMAX_ALPHA && order == ROW_MAJOR && ta == NO_TRANS && tb == NO_TRANS && beta == 0.0f) {
+        prefetch_next(b, (long)k * ldb * sizeof(float));
+        if (attention_product(m, n, k, a, lda, b, ldb, c, ldc)) return;
+    }
     if (order == COL_MAJOR) { /* column-major C = op(A) op(B) is row-major C^T = op(B)^T op(A)^T */
         int t = ta; ta = tb; tb = t;
         t = m; m = n; n = t;
