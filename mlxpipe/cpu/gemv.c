@@ -1211,11 +1211,13 @@ void mlxpipe_qgemm_shared_stats(long *out) {
 }
 
 static atomic_int helper_asleep; /* set while the helper may be in the futex: only then is it woken */
-/* Seconds the helper polls for the next product of several rows before it sleeps: a batch step's products come
- * ~0.1 ms apart, and a futex wake-up on a VM can take longer than a 16-row product (bench/RESULTS.md, issue 19). */
-static double helper_spin = 1e-4;
+/* Seconds the helper polls for the next product of several rows before it sleeps (0: it sleeps at once). A
+ * batch step's products come ~0.1 ms apart and a futex wake-up on a VM can take as long, but with the prefetch
+ * of attention's blocks 0.1 ms of polling was no faster at 64 rows and 2-6% slower at 16 (the polling helper
+ * takes core time from Python's thread; bench/RESULTS.md, issue 19). */
+static double helper_spin = 0;
 
-/* Sets that poll (microseconds; 0: sleep at once) for bench and tests. */
+/* Sets that poll (microseconds), for benches. */
 void mlxpipe_qgemm_helper_spin(int us) { helper_spin = us * 1e-6; }
 
 static void *helper(void *unused) {
