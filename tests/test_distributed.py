@@ -732,11 +732,16 @@ def test_a_rank_without_the_input_file_is_named(tmp_path: Path) -> None:
     _assert_usage_error(out, err, "mlxpipe: error: rank 1: cannot open in.txt: No such file or directory\n")
 
 
+# Each rank's line in one write: the launcher may run the ranks unbuffered, and print() writes each argument
+# on its own (the two ranks' pieces then interleaved on the launcher's stdout).
 GATHER = """
+import sys
 from mlxpipe.distributed import Ranks, broadcast
 ranks = Ranks.init()
-print(ranks.rank, ranks.size, ranks.gather(b"x" * (3 + 5 * ranks.rank)), ranks.gather(b""),
-      broadcast(ranks, b"from 0" if ranks.rank == 0 else b"ignored"), ranks.threaded, flush=True)
+fields = (ranks.rank, ranks.size, ranks.gather(b"x" * (3 + 5 * ranks.rank)), ranks.gather(b""),
+          broadcast(ranks, b"from 0" if ranks.rank == 0 else b"ignored"), ranks.threaded)
+sys.stdout.write(" ".join(map(str, fields)) + "\\n")
+sys.stdout.flush()
 """
 
 
