@@ -324,6 +324,7 @@ def test_one_row_products_shared_with_the_helper_are_the_ones_computed_alone(
     ptr = ctypes.c_void_p
     rng = np.random.default_rng(12)
     stats = (ctypes.c_long * 4)()
+    default_us = shim.mlxpipe_qgemv_shared_us(0)  # (what it was, put back at the end)
 
     def one_row(w: np.ndarray, x: np.ndarray) -> np.ndarray:
         n, k = w.shape
@@ -362,7 +363,7 @@ def test_one_row_products_shared_with_the_helper_are_the_ones_computed_alone(
     want = x.astype(np.float64) @ w.T.astype(np.float64)
     np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     shim.mlxpipe_qgemv_shared_min(gemv.ONE_ROW_SHARED)  # (the process's own library, if it is loaded)
-    shim.mlxpipe_qgemv_shared_us(90)  # (gemv.c's default)
+    shim.mlxpipe_qgemv_shared_us(default_us)
 
 
 @pytest.mark.model

@@ -1211,29 +1211,18 @@ void mlxpipe_qgemm_shared_stats(long *out) {
 }
 
 static atomic_int helper_asleep; /* set while the helper may be in the futex: only then is it woken */
-/* Seconds the helper polls for the next product of several rows before it sleeps (0: it sleeps at once). A
- * batch step's products come ~0.1 ms apart and a futex wake-up on a VM can take as long, but with the prefetch
- * of attention's blocks 0.1 ms of polling was no faster at 64 rows and 2-6% slower at 16 (the polling helper
- * takes core time from Python's thread; bench/RESULTS.md, issue 19). */
-static double helper_spin = 0;
 
-/* Sets that poll (microseconds), for benches. */
-void mlxpipe_qgemm_helper_spin(int us) { helper_spin = us * 1e-6; }
-
+/* The helper sleeps as soon as it runs out of stretches: polling 0.1 ms for the next product was no faster at
+ * 64 rows and 2-6% slower at 16 (it takes core time from Python's thread; bench/RESULTS.md, issue 19). */
 static void *helper(void *unused) {
     (void)unused;
-    for (int seen = atomic_load(&job_gen), polls = 0;;) {
-        if (polls)
-            for (double t0 = now(); atomic_load(&job_gen) == seen && now() - t0 < helper_spin;)
-                for (int i = 0; i < 32; i++) _mm_pause();
+    for (int seen = atomic_load(&job_gen);;) {
         while (atomic_load(&job_gen) == seen) {
             atomic_store(&helper_asleep, 1);
             if (atomic_load(&job_gen) == seen) futex(&job_gen, FUTEX_WAIT_PRIVATE, seen);
             atomic_store(&helper_asleep, 0);
         }
         seen = atomic_load(&job_gen);
-        /* not after a single stream's product: Python builds its next step meanwhile and needs the core */
-        polls = helper_spin > 0 && !job.one_row;
         work(&job);
     }
     return NULL;
@@ -1822,8 +1811,12 @@ enum { ONE_ALONE_MS = 50 }; /* how long one-row products go on alone after the h
 static int one_shared_us = 90;
 static double one_row_rate; /* weights a second of one-row products computed alone, a running mean (0: none yet) */
 
-/* Sets that time (microseconds; 0: share by size alone), for tests. */
-void mlxpipe_qgemv_shared_us(int us) { one_shared_us = us; }
+/* Sets that time (microseconds; 0: share by size alone), for tests; the time it replaces. */
+int mlxpipe_qgemv_shared_us(int us) {
+    int was = one_shared_us;
+    one_shared_us = us;
+    return was;
+}
 static double one_alone_until;
 
 /* Sets the fewest weights a one-row product shares with the helper (0: never shared); starts afresh. */
@@ -1941,9 +1934,7 @@ static void swiglu(int m, int n, float *c, int ldc) {
 /* mlx makes a batch's attention products one (record, KV head) at a time, each block of keys (or values) a
  * fixed stride after the one before: the block two calls ahead is fetched while this one is computed (a decode
  * step reads every record's KV cache from memory, and waiting for it was half of attention's time). */
-static int attention_prefetch = 2; /* blocks ahead: 1, 2, 3 side by side, 2 the fastest (0: none) */
-
-void mlxpipe_attention_prefetch(int ahead) { attention_prefetch = ahead; }
+enum { PREFETCH_AHEAD = 2 }; /* blocks ahead: 1, 2, 3 side by side, 2 the fastest */
 
 static void prefetch_next(const float *b, long bytes) {
     static __thread const char *last;
@@ -1951,8 +1942,8 @@ static void prefetch_next(const float *b, long bytes) {
     const char *here = (const char *)b;
     long step = here - last;
 #ifdef X86_AVX512
-    if (attention_prefetch && step == stride && step != 0)
-        for (long i = 0; i < bytes; i += 64) _mm_prefetch(here + attention_prefetch * step + i, _MM_HINT_T0);
+    if (step == stride && step != 0)
+        for (long i = 0; i < bytes; i += 64) _mm_prefetch(here + PREFETCH_AHEAD * step + i, _MM_HINT_T0);
 #endif
     stride = step, last = here;
 }

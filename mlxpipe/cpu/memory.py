@@ -10,6 +10,7 @@ past 1 GiB, a freed buffer is reused as it is. ``MLXPIPE_MALLOC=off`` leaves gli
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
 from ..switches import turned_off
@@ -19,18 +20,10 @@ ENV = "MLXPIPE_MALLOC"
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 SETTINGS = {_M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 1 << 30, _M_TOP_PAD: 64 << 20}
 
-_said: str | None = None
 
-
+@functools.cache
 def keep_freed_memory() -> str:
     """Set glibc's malloc to reuse freed buffers (once a process); what was done, for ``--model-info``."""
-    global _said
-    if _said is None:
-        _said = _keep_freed_memory()
-    return _said
-
-
-def _keep_freed_memory() -> str:
     if not sys.platform.startswith("linux"):
         return "not Linux: the platform's malloc"
     if turned_off(ENV):
