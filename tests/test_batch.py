@@ -7,7 +7,7 @@ import signal
 from typing import Any
 
 import pytest
-from conftest import run_cli, start_cli
+from conftest import cli_env, run_cli, start_cli
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -52,6 +52,26 @@ def test_batch_matches_sequential_greedy_and_keeps_order(batch_is_exact: bool) -
         assert [c["tokens"] for c in chunks] == sorted(c["tokens"] for c in chunks)
         assert done["prompt_tokens"] > 5 and done["tokens"] <= 8 and done["peak_memory"] > 1_000_000
     assert "Paris" in finals(bat)[0]["text"]
+
+
+@pytest.mark.model
+def test_int8_activations_when_asked_give_a_batch_the_answers_of_one_at_a_time() -> None:
+    # MLXPIPE_INT8=on (a CPU with AVX-512 VNNI): 8-bit activations, integer sums; each record's numbers are
+    # its own, so --batch (16 rows and more too: a prompt's rows) answers exactly as --batch 1 does.
+    env = cli_env(MLXPIPE_INT8="on")
+    info = json.loads(run_cli(["--model-info"], input=b"", env=env).stdout)
+    assert info["int8_activations"] is False or info["quantized_rows"] > 0
+    assert json.loads(run_cli(["--model-info"], input=b"").stdout)["int8_activations"] is False  # by default
+    if not info["int8_activations"]:
+        pytest.skip("no AVX-512 VNNI (or no quantized kernels) here")
+    prompts = [*PROMPTS, *(f"Write one sentence about the number {n}." for n in range(15))]
+    lines = "".join(json.dumps({"id": f"r{n}", "prompt": p}) + "\n" for n, p in enumerate(prompts))
+    one = run_cli(["--jsonl", "--no-stream", "-n", "12", "--batch", "1"], input=lines, env=env)
+    many = run_cli(["--jsonl", "--no-stream", "-n", "12", "--batch", "20"], input=lines, env=env)
+    assert one.returncode == many.returncode == 0, one.stderr + many.stderr
+    single, batched = finals(events(one.stdout)), finals(events(many.stdout))
+    assert [e["text"] for e in batched] == [e["text"] for e in single]
+    assert all(e["event"] == "done" and e["text"] for e in single)
 
 
 @pytest.mark.model

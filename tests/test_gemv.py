@@ -25,11 +25,13 @@ from mlxpipe.cpu import blas, gemv
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
 
 
-def _own_shim(openblas: Any, quantized: bool = False, avx2: bool = False) -> Any:
+def _own_shim(openblas: Any, quantized: bool = False, avx2: bool = False, int8: bool = False) -> Any:
     """A copy of the shim of its own (its table of attached matrices starts empty), in front of OpenBLAS;
-    ``avx2``: its AVX2 kernels, also where the CPU has AVX-512."""
+    ``avx2``: its AVX2 kernels, also where the CPU has AVX-512; ``int8``: 8-bit activations where the CPU
+    has AVX-512 VNNI, else the float32 kernels (which the tests below check against float64)."""
     shim = ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL)
     shim.mlxpipe_qgemv_avx2(int(avx2))
+    shim.mlxpipe_qgemm_int8(int(int8))
     shim.mlxpipe_qgemm_max_rows(gemv.MAX_ROWS)  # (one dlopen'd copy a path: an earlier test may have set it)
     if quantized and not shim.mlxpipe_qgemv_available():
         pytest.skip("the quantized kernels need AVX-512 or AVX2")
@@ -546,4 +548,77 @@ def test_avx512_gemm_products_are_the_avx2_gemms_to_the_last_bit(openblas: Any) 
                 assert (wide == narrow).all(), (n, k, bits, group, m)
     finally:
         shim.mlxpipe_qgemv_avx2(0)
+        shim.mlxpipe_qgemm_threads(1)
+
+
+def _int8_reference(
+    x: np.ndarray, packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int
+) -> Any:
+    """x W^T as the 8-bit kernels define it, in float64: each row quantized per group (scale max|x| / 127,
+    rounded to nearest), integer dot products, then sum over groups of scale * sx * dot + bias * sum(x)."""
+    n, groups = scales.shape
+    q = np.empty((n, packed.shape[1] * 2), np.int64) if bits == 4 else packed.astype(np.int64)
+    if bits == 4:
+        q[:, 0::2], q[:, 1::2] = packed & 15, packed >> 4
+    xg = x.reshape(x.shape[0], groups, -1)
+    amax = np.abs(xg).max(-1)
+    inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    xq = np.rint(xg * inverse[..., None]).astype(np.int64)  # float32 products, as the kernels round them
+    dots = np.einsum("mgj,ngj->mng", xq, q.reshape(n, groups, -1)).astype(np.float64)
+    sx = (amax / np.float32(127)).astype(np.float64)
+    return (dots * scales[None] * sx[:, None] + biases[None] * xg.astype(np.float64).sum(-1)[:, None]).sum(-1)
+
+
+def test_int8_products_sum_integers_and_a_rows_numbers_depend_on_it_alone(openblas: Any) -> None:
+    # Where the CPU has AVX-512 VNNI, products by attached matrices quantize A's rows to 8 bits (as
+    # llama.cpp's CPU products do) and sum integers: every row count, one row or a batch's or a prompt's, on
+    # one thread or two, gives a row the very numbers it gets alone (--batch 1's), to the last bit.
+    shim = _own_shim(openblas, quantized=True, int8=True)
+    if not shim.mlxpipe_qgemm_int8(1):
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    rng = np.random.default_rng(29)
+    ptr = ctypes.c_void_p
+    # Partial tiles of 32 rows of W and of 8 of A; 4 and 8 bits; groups of 32, 64, 128; 300 rows of A.
+    shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
+    shapes += [(40, 256, 4, 128), (13, 128, 8, 32)]  # smaller than sgemv is worth: still these kernels
+    try:
+        for (n, k, bits, group), threads in itertools.product(shapes, [1, 2]):
+            shim.mlxpipe_qgemm_threads(threads)
+            w, packed, scales, biases = _registered(shim, rng, n, k, bits, group)
+            x = rng.standard_normal((300, k + 5)).astype(np.float32)[:, :k]  # a row stride other than k
+            x[7, :group] = 0.0  # a group of zeros: scale 0
+            want = _int8_reference(x, packed, scales, biases, bits)
+            exact = x.astype(np.float64) @ w.T.astype(np.float64)
+            # each row alone, as a one-stream decode step computes it (also as a strided column)
+            alone = np.zeros((9, n), np.float32)
+            column = np.array(x[:9].T, order="C")
+            for i in range(9):
+                shim.cblas_sgemm(
+                    ROW_MAJOR, NO_TRANS, TRANS, 1, n, k, ctypes.c_float(1.0), ptr(x[i:].ctypes.data), k + 5,
+                    ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(alone[i].ctypes.data), n,
+                )  # fmt: skip
+                across = np.zeros(n, np.float32)
+                shim.cblas_sgemm(
+                    ROW_MAJOR, TRANS, TRANS, 1, n, k, ctypes.c_float(1.0), ptr(column.ctypes.data + 4 * i), 9,
+                    ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(across.ctypes.data), n,
+                )  # fmt: skip
+                assert (across == alone[i]).all()
+            np.testing.assert_allclose(alone, want[:9], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+            # within what 8-bit activations cost: ~1% of the largest value
+            assert np.abs(alone - exact[:9]).max() < 0.03 * np.abs(exact).max()
+            for m in [2, 7, 9, 16, 17, 64, 300]:
+                together, quantized = _product(shim, w, x[:m], 0.5)
+                assert quantized
+                scale = np.abs(want).max()
+                np.testing.assert_allclose(together, 0.5 * want[:m], rtol=1e-5, atol=1e-5 * scale)
+                assert (together[: min(m, 9)] == 0.5 * alone[: min(m, 9)]).all(), (n, k, bits, group, m)
+            order = rng.permutation(20)  # wherever a row stands
+            moved = _product(shim, w, np.ascontiguousarray(x[order]))[0]
+            assert (moved[np.argsort(order)][:9] == alone).all()
+        # MLXPIPE_INT8=off: the float32 kernels again, their own sums
+        assert not shim.mlxpipe_qgemm_int8(0)
+        floats = _product(shim, w, x[:17])[0]
+        np.testing.assert_allclose(floats, exact[:17], rtol=1e-5, atol=1e-5 * np.abs(exact).max())
+    finally:
+        shim.mlxpipe_qgemm_int8(0)
         shim.mlxpipe_qgemm_threads(1)

@@ -51,6 +51,7 @@ typedef struct {
     int n, k, bits, group;
     const uint8_t *q;                   /* n x k values of `bits` bits, packed low bits first */
     const float *scales, *biases;       /* n x (k / group) */
+    uint8_t *i8;                        /* W repacked for 8-bit activations, once used (i8_weights) */
 } qmat;
 
 enum { TABLE = 4096 }; /* open addressing, power of two, far more than the matrices of one model */
@@ -76,14 +77,19 @@ int mlxpipe_qgemv_register(const float *w, int n, int k, int bits, int group, co
         if (table[i].n < 0 && dead == TABLE) dead = i; /* a dead entry's slot can be taken again */
     if (!table[i].w && dead != TABLE) i = dead;
     else if (!table[i].w) registered++;
-    table[i] = (qmat){w, n, k, bits, group, (const uint8_t *)q, scales, biases};
+    free(table[i].i8);
+    table[i] = (qmat){w, n, k, bits, group, (const uint8_t *)q, scales, biases, 0};
     return 1;
 }
 
 /* Marks w's entries dead (their products go back to the BLAS); the slots stay, so that lookups probe past. */
 void mlxpipe_qgemv_unregister(const float *w) {
     for (unsigned i = slot_of(w); table[i].w; i = (i + 1) & (TABLE - 1))
-        if (table[i].w == w) table[i].n = -1;
+        if (table[i].w == w) {
+            table[i].n = -1;
+            free(table[i].i8);
+            table[i].i8 = 0;
+        }
 }
 
 long mlxpipe_qgemv_calls(void) { return qgemv_calls; }
@@ -1054,6 +1060,217 @@ amx_rows(const qmat *m, const uint8_t *xt, const float *xs, int blocks, int M, f
 }
 #endif
 
+/* ---- 8-bit activations: integer dot products (AVX-512 VNNI) ---------------------------------------------
+ * Asked for (MLXPIPE_INT8=on) where the CPU has VNNI, a product by an attached matrix (one row, a batch's
+ * rows, a prompt's) multiplies integers, as llama.cpp's CPU products do: each row of A is quantized to 8 bits per group of W (scale
+ * max|x| / 127, rounded to nearest), and vpdpbusd multiplies W's 4- or 8-bit values by those bytes, 64 at a
+ * time, exactly. Each output then adds, group by group, (scale * sx) * dot + bias * sum(x), by the same
+ * float32 operations whatever the number of rows of A and however the rows of W are split between the
+ * threads: a row's numbers depend on that row alone, the same at --batch 1 and in any batch or prompt.
+ * Not float32's numbers, though (the embedded model's perplexity +1.5%, greedy answers differ): off unless
+ * asked for (bench/RESULTS.md, issue 19).
+ * W is repacked once, on its first such product, 16 rows a register: lane n holds 4 bytes of row n, for
+ * 4 bits the values j (low nibble) and j + 4 (high) of 8 consecutive ones, for 8 bits 4 consecutive ones. */
+static int i8_wanted; /* off unless asked for (MLXPIPE_INT8=on): the numbers are not float32's */
+#ifdef X86_AVX512
+enum { I8_W = 32, I8_A = 8, I8_AHEAD = 16384 }; /* a tile: rows of W (two registers of 16), rows of A */
+static int i8_cpu = -1;
+
+static int i8_runs(void) {
+    if (i8_cpu < 0) i8_cpu = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+    return i8_wanted && i8_cpu && kernels() == 2;
+}
+
+/* 64-byte registers a group of 16 rows of W takes */
+static int i8_chunks(const qmat *m) { return m->group * m->bits / 32; }
+static int i8_blocks(const qmat *m) { return (m->n + I8_W - 1) / I8_W * (I8_W / 16); }
+
+/* A word's eight 4-bit values, low first, reordered so that byte j holds values j (low nibble) and j + 4. */
+static uint32_t nibbles_apart(uint32_t x) {
+    x = (x & 0xFF0000FFu) | ((x >> 8) & 0x0000FF00u) | ((x << 8) & 0x00FF0000u);
+    return (x & 0xF00FF00Fu) | ((x << 4) & 0x0F000F00u) | ((x >> 4) & 0x00F000F0u);
+}
+
+/* W repacked (rows past n zeros), then per block of 16 rows and group the 16 scales, then the biases alike. */
+static uint8_t *i8_pack(const qmat *m) {
+    int n = m->n, groups = m->k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m);
+    long words = (long)m->k * m->bits / 32, wbytes = (long)blocks * groups * chunks * 64;
+    long floats = (long)blocks * groups * 16;
+    uint8_t *p = aligned_alloc(64, wbytes + 2 * floats * sizeof(float));
+    if (!p) return 0;
+    uint32_t *w = (uint32_t *)p;
+    float *sc = (float *)(p + wbytes), *bi = sc + floats;
+    for (int b = 0; b < blocks; b++)
+        for (int lane = 0; lane < 16; lane++) {
+            long r = (long)b * 16 + lane;
+            for (long wd = 0; wd < words; wd++) { /* word wd of a row: group wd / chunks, register wd % chunks */
+                uint32_t v = 0;
+                if (r < n) memcpy(&v, m->q + (r * words + wd) * 4, 4);
+                w[((long)b * groups * chunks + wd) * 16 + lane] = m->bits == 4 ? nibbles_apart(v) : v;
+            }
+            for (int g = 0; g < groups; g++) {
+                sc[((long)b * groups + g) * 16 + lane] = r < n ? m->scales[r * groups + g] : 0;
+                bi[((long)b * groups + g) * 16 + lane] = r < n ? m->biases[r * groups + g] : 0;
+            }
+        }
+    return p;
+}
+
+/* m's repacked form, made on first use (two threads may race to make it: one keeps its copy); 0 when
+ * these kernels do not run here, or memory ran out. */
+static const uint8_t *i8_weights(const qmat *m) {
+    if (!i8_runs()) return 0;
+    qmat *e = (qmat *)m;
+    uint8_t *p = __atomic_load_n(&e->i8, __ATOMIC_ACQUIRE);
+    if (p) return p;
+    p = i8_pack(m);
+    uint8_t *none = 0;
+    if (p && !__atomic_compare_exchange_n(&e->i8, &none, p, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        free(p);
+        p = none;
+    }
+    return p;
+}
+
+/* M rows of A (stride lda) -> bytes xq (M x k), each group's scale sx and float32 sum xsum (M x groups). */
+__attribute__((target("avx512f,avx512bw"))) static void i8_quantize(const qmat *m, int M, const float *a, long lda,
+                                                                   int8_t *xq, float *sx, float *xsum) {
+    int k = m->k, group = m->group, groups = k / group;
+    for (int i = 0; i < M; i++)
+        for (int g = 0; g < groups; g++) {
+            const float *x = a + i * lda + (long)g * group;
+            __m512 most = _mm512_setzero_ps(), sum = most;
+            for (int j = 0; j < group; j += 16) {
+                __m512 v = _mm512_loadu_ps(x + j);
+                most = _mm512_max_ps(most, _mm512_abs_ps(v));
+                sum = _mm512_add_ps(sum, v);
+            }
+            float amax = _mm512_reduce_max_ps(most);
+            __m512 inverse = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+            for (int j = 0; j < group; j += 16) {
+                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + j), inverse));
+                _mm_storeu_si128((__m128i *)(xq + (long)i * k + (long)g * group + j), _mm512_cvtsepi32_epi8(q));
+            }
+            sx[(long)i * groups + g] = amax / 127.0f;
+            xsum[(long)i * groups + g] = _mm512_reduce_add_ps(sum);
+        }
+}
+
+/* 32 rows of W (two blocks of 16, w and w + bstride) by R rows of A: c[i][0..32) under the masks. */
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static inline void
+i8_tile(const int R, const int bits, int groups, int chunks, const uint8_t *w, long bstride, const float *sc,
+        const float *bi, long sstride, const int8_t *xq, int k, int group, const float *sx, const float *xsum,
+        float *c, int ldc, __mmask16 m0, __mmask16 m1) {
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 f0[R], f1[R];
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) f0[i] = f1[i] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m512i d0[R], d1[R];
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) d0[i] = d1[i] = _mm512_setzero_si512();
+        const uint8_t *wg = w + (long)g * chunks * 64;
+        const int8_t *xg = xq + (long)g * group;
+        /* W read from memory at a single row's speed outruns the CPU's own prefetching (as the one-row
+         * kernels': PREFETCH ahead). The tile's two blocks lie one after the other, read side by side: the
+         * bytes ahead are fetched as one stream, two lines a step; scales and biases alike, a group a step. */
+        const char *ahead = (const char *)sc + I8_AHEAD / chunks + g * 128;
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        ahead = (const char *)bi + I8_AHEAD / chunks + g * 128;
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        for (int cc = 0; cc < chunks; cc++) {
+            ahead = (const char *)w + I8_AHEAD + ((long)g * chunks + cc) * 128;
+            _mm_prefetch(ahead, _MM_HINT_T0);
+            _mm_prefetch(ahead + 64, _MM_HINT_T0);
+            __m512i v0 = _mm512_load_si512(wg + cc * 64), v1 = _mm512_load_si512(wg + bstride + cc * 64);
+            if (bits == 4) {
+                __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+                __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+                _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+                    int32_t xa, xb;
+                    memcpy(&xa, xg + (long)i * k + cc * 8, 4);
+                    memcpy(&xb, xg + (long)i * k + cc * 8 + 4, 4);
+                    __m512i a = _mm512_set1_epi32(xa), b = _mm512_set1_epi32(xb);
+                    d0[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(d0[i], lo0, a), hi0, b);
+                    d1[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(d1[i], lo1, a), hi1, b);
+                }
+            } else {
+                _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+                    int32_t xa;
+                    memcpy(&xa, xg + (long)i * k + cc * 4, 4);
+                    __m512i a = _mm512_set1_epi32(xa);
+                    d0[i] = _mm512_dpbusd_epi32(d0[i], v0, a);
+                    d1[i] = _mm512_dpbusd_epi32(d1[i], v1, a);
+                }
+            }
+        }
+        __m512 s0 = _mm512_load_ps(sc + g * 16), s1 = _mm512_load_ps(sc + sstride + g * 16);
+        __m512 b0 = _mm512_load_ps(bi + g * 16), b1 = _mm512_load_ps(bi + sstride + g * 16);
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+            __m512 scale = _mm512_set1_ps(sx[(long)i * groups + g]), sum = _mm512_set1_ps(xsum[(long)i * groups + g]);
+            f0[i] = _mm512_fmadd_ps(b0, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0[i]), _mm512_mul_ps(s0, scale), f0[i]));
+            f1[i] = _mm512_fmadd_ps(b1, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1[i]), _mm512_mul_ps(s1, scale), f1[i]));
+        }
+    }
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+        _mm512_mask_storeu_ps(c + (long)i * ldc, m0, f0[i]);
+        _mm512_mask_storeu_ps(c + (long)i * ldc + 16, m1, f1[i]);
+    }
+}
+
+#define I8_TILES(R_)                                                                                          \
+    do {                                                                                                      \
+        if (m->bits == 4)                                                                                     \
+            i8_tile(R_, 4, groups, chunks, wb, bstride, sc, bi, sstride, x, k, m->group, s, t, cr, ldc, m0, m1); \
+        else                                                                                                  \
+            i8_tile(R_, 8, groups, chunks, wb, bstride, sc, bi, sstride, x, k, m->group, s, t, cr, ldc, m0, m1); \
+    } while (0)
+
+/* Rows [r0, r1) of c (r0 a multiple of 32) from p = i8_weights(m) and A quantized by i8_quantize: every
+ * I8_A rows of A against the whole stretch of W (kept in L2 meanwhile). */
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void
+i8_rows(const qmat *m, const uint8_t *p, int M, const int8_t *xq, const float *sx, const float *xsum, float *c,
+        int ldc, int r0, int r1) {
+    int k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m);
+    long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
+    const float *scales = (const float *)(p + blocks * bstride), *biases = scales + blocks * sstride;
+    for (int i0 = 0; i0 < M; i0 += I8_A) {
+        int rows = M - i0 < I8_A ? M - i0 : I8_A;
+        const int8_t *x = xq + (long)i0 * k;
+        const float *s = sx + (long)i0 * groups, *t = xsum + (long)i0 * groups;
+        for (int r = r0; r < r1; r += I8_W) {
+            int valid = r1 - r < I8_W ? r1 - r : I8_W, b = r / 16;
+            __mmask16 m0 = valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1);
+            __mmask16 m1 = valid >= 32 ? 0xFFFF : valid > 16 ? (__mmask16)((1u << (valid - 16)) - 1) : 0;
+            const uint8_t *wb = p + b * bstride;
+            const float *sc = scales + b * sstride, *bi = biases + b * sstride;
+            float *cr = c + (long)i0 * ldc + r;
+            switch (rows) { /* a constant count of rows: their sums stay in registers */
+            case 8: I8_TILES(8); break;
+            case 7: I8_TILES(7); break;
+            case 6: I8_TILES(6); break;
+            case 5: I8_TILES(5); break;
+            case 4: I8_TILES(4); break;
+            case 3: I8_TILES(3); break;
+            case 2: I8_TILES(2); break;
+            default: I8_TILES(1); break;
+            }
+        }
+    }
+}
+#endif
+
+/* Products by attached matrices with 8-bit activations where the CPU has AVX-512 VNNI (0: the float32
+ * kernels everywhere; -1: as they are); whether they run. */
+int mlxpipe_qgemm_int8(int on) {
+    if (on >= 0) i8_wanted = on;
+#ifdef X86_AVX512
+    return i8_runs();
+#else
+    return 0;
+#endif
+}
+
 /* Whether this machine has the kernels above: only then is registering worth it. */
 int mlxpipe_qgemv_available(void) {
 #ifdef X86_AVX512
@@ -1064,7 +1281,8 @@ int mlxpipe_qgemv_available(void) {
 }
 
 #ifdef X86_AVX512
-static void one_rows(const qmat *m, const float *xe, const float *xo, const float *xsum, float *c);
+static void one_rows(const qmat *m, const float *xe, const float *xo, const float *xsum, const uint8_t *i8,
+                     const int8_t *xq, float *c);
 
 /* x's sum a group, summed in order, for the kernels that add bias * sum(x) a group: the 8-bit ones and the
  * AVX2 4-bit ones (the AVX-512 4-bit kernels add the bias into each weight and need none). */
@@ -1093,6 +1311,11 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
     float *x = scratch, *xe = x + k, *xo = xe + k / 2, *xsum = xo + k / 2;
     for (int j = 0; j < k; j++) x[j] = a[(long)j * inc_a];
 #ifdef X86_AVX512
+    const uint8_t *i8 = i8_weights(m);
+    if (i8) { /* x's bytes where xo was, their scales where xe was */
+        i8_quantize(m, 1, x, k, (int8_t *)xo, xe, xsum);
+        one_rows(m, xe, xo, xsum, i8, (const int8_t *)xo, c);
+    } else {
     group_sums(m, x, xsum);
     if (m->bits == 4) {
         for (int j = 0; j < k / 2; j++) { /* a byte holds values 2j (low nibble) and 2j + 1 (high) */
@@ -1102,7 +1325,8 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
     } else {
         xe = x; /* the 8-bit kernels read x whole */
     }
-    one_rows(m, xe, xo, xsum, c);
+    one_rows(m, xe, xo, xsum, 0, 0, c);
+    }
 #else
     (void)xe, (void)xo, (void)xsum;
     return 0;
@@ -1161,6 +1385,9 @@ typedef struct {
     int blocks;
     const float *xe, *xo, *xsum; /* a one-row product's x as qgemv prepares it, when one_row */
     int one_row;
+    const uint8_t *i8; /* W repacked (i8_weights), or null: the float32 kernels */
+    const int8_t *xq;  /* then A's bytes, their scales sx and A's sums xsum a group (i8_quantize) */
+    const float *sx;
     atomic_int next, done, failed, sleeping;
 } job_t;
 
@@ -1182,7 +1409,8 @@ static int work(job_t *j) {
     int count = 0;
     for (int s; (s = atomic_fetch_add(&j->next, 1)) < j->stretches; count++) {
         int r0 = s * j->stretch, r1 = r0 + j->stretch < j->m->n ? r0 + j->stretch : j->m->n;
-        if (j->one_row && j->m->bits == 4) rows4(j->m, j->xe, j->xo, j->xsum, r0, r1, j->c);
+        if (j->i8) i8_rows(j->m, j->i8, j->M, j->xq, j->sx, j->xsum, j->c, j->ldc, r0, r1);
+        else if (j->one_row && j->m->bits == 4) rows4(j->m, j->xe, j->xo, j->xsum, r0, r1, j->c);
         else if (j->one_row) rows8(j->m, j->xe, j->xsum, r0, r1, j->c);
         else if (j->at ? !(kernels() == 2 ? gemm_rows_avx512 : gemm_rows_avx2)(j->m, j->at, j->mpad, j->M, j->c,
                                                                                  j->ldc, r0, r1)
@@ -1280,15 +1508,30 @@ enum { SHARED_MIN = 1 << 21 }; /* multiply-adds worth waking the helper for (a 5
 static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, float *c, int ldc) {
 #ifdef X86_AVX512
     enum { AMX_CHUNK = 256 }; /* rows of A packed at a time (a prompt's product can have thousands) */
-    if (M > AMX_CHUNK && M >= amx_min_rows && m->group == 32) {
+    const uint8_t *i8 = i8_weights(m);
+    int8_t *xq = 0;
+    float *sx = 0, *xsum = 0;
+    if (i8) { /* A quantized once for every stretch, of both threads */
+        static __thread float *quantized;
+        static __thread long quantized_len;
+        long groups = m->k / m->group, need = (long)M * (2 * groups + m->k / 4);
+        if (need > quantized_len) {
+            float *grown = realloc(quantized, need * sizeof(float));
+            if (!grown) return 0;
+            quantized = grown, quantized_len = need;
+        }
+        sx = quantized, xsum = sx + M * groups, xq = (int8_t *)(xsum + M * groups);
+        i8_quantize(m, M, a, lda, xq, sx, xsum);
+    }
+    if (!i8 && M > AMX_CHUNK && M >= amx_min_rows && m->group == 32) {
         for (int i0 = 0; i0 < M; i0 += AMX_CHUNK) /* a row's sums do not depend on the rows beside it */
             if (!qgemm(m, M - i0 < AMX_CHUNK ? M - i0 : AMX_CHUNK, a + (long)i0 * lda, lda, alpha, c + (long)i0 * ldc,
                        ldc))
                 return 0;
         return 1;
     }
-    int amx = M >= amx_min_rows && m->group == 32;
-    int gemm = !amx && M >= (kernels() == 2 ? gemm512_min_rows : GEMM_MIN_ROWS) && kernels() > 0;
+    int amx = !i8 && M >= amx_min_rows && m->group == 32;
+    int gemm = !i8 && !amx && M >= (kernels() == 2 ? gemm512_min_rows : GEMM_MIN_ROWS) && kernels() > 0;
     if (gemm && M > GEMM_CHUNK) { /* at stays in L2 (a prompt's product can have thousands of rows) */
         for (int i0 = 0; i0 < M; i0 += GEMM_CHUNK)
             if (!qgemm(m, M - i0 < GEMM_CHUNK ? M - i0 : GEMM_CHUNK, a + (long)i0 * lda, lda, alpha,
@@ -1330,6 +1573,7 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
         }
     }
     if (stretch < 1) stretch = 1;
+    if (i8) stretch = stretch < I8_W ? I8_W : stretch / I8_W * I8_W; /* whole tiles */
     const uint8_t *xt = 0;
     const float *xs = 0;
     int blocks = (M + 15) / 16;
@@ -1359,6 +1603,7 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
     j->stretches = (n + stretch - 1) / stretch;
     j->one_row = 0;
     j->at = at, j->mpad = mpad;
+    j->i8 = i8, j->xq = xq, j->sx = sx, j->xsum = xsum;
     /* two late helpers in a row: a VM's one-off delay does not cost a step's products on one thread */
     if (shared && run_shared(j)) late_in_row = 0;
     else if (shared && ++late_in_row >= 2) alone_for = ALONE, alone_spells++, late_in_row = 0;
@@ -1827,7 +2072,8 @@ void mlxpipe_qgemv_shared_min(long weights) {
 
 /* c = the rows of W times x, prepared by qgemv: stretches of rows on both threads when W is large and the
  * helper free. Each row's sum is computed as alone, by one thread: the numbers do not depend on the split. */
-static void one_rows(const qmat *m, const float *xe, const float *xo, const float *xsum, float *c) {
+static void one_rows(const qmat *m, const float *xe, const float *xo, const float *xsum, const uint8_t *i8,
+                     const int8_t *xq, float *c) {
     int n = m->n;
     long weights = (long)n * m->k;
     int shared = qgemm_threads > 1 && weights >= one_row_min && now() >= one_alone_until &&
@@ -1839,7 +2085,8 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
     }
     if (!shared) {
         double start = now();
-        if (m->bits == 4) rows4(m, xe, xo, xsum, 0, n, c);
+        if (i8) i8_rows(m, i8, 1, xq, xe, xsum, c, n, 0, n);
+        else if (m->bits == 4) rows4(m, xe, xo, xsum, 0, n, c);
         else rows8(m, xe, xsum, 0, n, c);
         double rate = weights / (now() - start + 1e-9);
         one_row_rate = one_row_rate == 0 ? rate : one_row_rate + (rate - one_row_rate) / 8;
@@ -1849,8 +2096,10 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
     int stretch = (int)(CHUNK / row_bytes);
     if (n / 16 + 1 < stretch) stretch = n / 16 + 1; /* about 8 stretches a thread, for balance */
     stretch = stretch < 2 ? 2 : stretch & ~1;        /* whole pairs of rows, as the kernels take them */
+    if (i8) stretch = stretch < I8_W ? I8_W : stretch / I8_W * I8_W;
     job_t *j = &job;
     j->m = m, j->c = c, j->xe = xe, j->xo = xo, j->xsum = xsum, j->one_row = 1, j->xt = 0, j->at = 0;
+    j->i8 = i8, j->xq = xq, j->sx = xe, j->M = 1, j->ldc = n;
     j->stretch = stretch, j->stretches = (n + stretch - 1) / stretch;
     /* a helper that made the caller wait is left out for a while: beside a busy process it may get no core,
      * or lose it in a stretch (as the several-row products' rule) */
@@ -1970,11 +2219,12 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
         t = lda; lda = ldb; ldb = t;
         const float *p = a; a = b; b = p;
     }
-    /* c (1 x n) = alpha a (1 x k) op(B) + beta c; a is a row, or a column of stride lda */
+    /* c (1 x n) = alpha a (1 x k) op(B) + beta c; a is a row, or a column of stride lda; by a registered
+     * matrix of any size (as its products of several rows are), else sgemv from MIN_ELEMENTS */
+    const qmat *q = m == 1 && tb == TRANS && ldb == k && beta == 0.0f ? lookup(b, n, k) : 0;
+    if (q && qgemv(q, a, ta == NO_TRANS ? 1 : lda, alpha, c)) return;
     if (m == 1 && (long)n * k >= MIN_ELEMENTS) {
         int inc_a = ta == NO_TRANS ? 1 : lda;
-        const qmat *q = tb == TRANS && ldb == k && beta == 0.0f ? lookup(b, n, k) : 0;
-        if (q && qgemv(q, a, inc_a, alpha, c)) return;
         if (tb == NO_TRANS) /* B is k x n: c = B^T a */
             blas_sgemv(ROW_MAJOR, TRANS, k, n, alpha, b, ldb, a, inc_a, beta, c, 1);
         else /* B is n x k: c = B a */
@@ -1992,7 +2242,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     }
     /* several rows by a registered matrix: from its quantized bytes too, up to qgemm_max_rows of them */
     if (m > 1 && m <= qgemm_max_rows && ta == NO_TRANS && tb == TRANS && ldb == k && beta == 0.0f) {
-        const qmat *q = lookup(b, n, k);
+        q = lookup(b, n, k);
         if (q && qgemm(q, m, a, lda, alpha, c, ldc)) return;
     }
     blas_sgemm(ROW_MAJOR, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);

@@ -148,6 +148,7 @@ class Engine:
             info["blas"]["threads"] = threads  # now: 1 while one stream decodes, else the default
         info["cpu_fast_paths"] = self.cpu_fast_paths
         info["quantized_rows"] = self.quantized_rows
+        info["int8_activations"] = gemv.int8_activations()  # MLXPIPE_INT8=on, where the CPU has VNNI
         if self.batch_choice is not None:
             info["batch"] = self.batch_choice
         return info
