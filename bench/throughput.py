@@ -4,7 +4,9 @@
     flock -x /tmp/mlxpipe-cpu.lock python bench/throughput.py --whole --records 256 --sizes 1,default
 
 ``--whole``: the real command as a user runs it on a file (``mlxpipe --out jsonl --no-stream -n 32 FILE``,
-model load included), ``default`` meaning no ``--batch`` flag at all (issue 19's annotation-job goal).
+model load included), ``default`` meaning no ``--batch`` flag at all (issue 19's annotation-job goal). A size
+may carry environment settings after ``+`` (``--sizes 1,default,1+MLXPIPE_INT8=on,default+MLXPIPE_INT8=on``):
+answers are then compared with the first run that has the same settings.
 
 One process, one loaded model (the CLI's default load), every size run on the same records through
 ``mlxpipe.run`` (the CLI's own path, input order kept). Prints wall time, aggregate generated tokens per
@@ -114,19 +116,24 @@ def whole(prompts: list[str], sizes: list[str]) -> None:
         print(f"# {len(prompts)} records, greedy, max tokens 32, whole command; load {load:.2f}")
         print("| --batch | wall s | tokens | aggregate tok/s | speed-up | answers differing from the first |")
         print("|---|---|---|---|---|---|")
-        base_wall, base_texts = 0.0, []
-        for size in sizes:
+        base_wall, base_texts = 0.0, {}
+        for entry in sizes:
+            size, *settings = entry.split("+")
+            env = dict(os.environ, **dict(s.split("=", 1) for s in settings))
             flag = [] if size == "default" else ["--batch", size]
             cmd = [sys.executable, "-m", "mlxpipe", "--out", "jsonl", "--no-stream", "-n", "32", *flag, path]
             start = time.perf_counter()
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL)
+            out = subprocess.run(
+                cmd, capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL, env=env
+            )
             wall = time.perf_counter() - start
             done = [e for e in map(json.loads, out.stdout.splitlines()) if e["event"] == "done"]
             tokens, texts = sum(e["tokens"] for e in done), [e["text"] for e in done]
-            base_wall, base_texts = base_wall or wall, base_texts or texts
-            differ = sum(a != b for a, b in zip(texts, base_texts, strict=True))
+            base_wall = base_wall or wall
+            first = base_texts.setdefault(tuple(settings), texts)
+            differ = sum(a != b for a, b in zip(texts, first, strict=True))
             print(
-                f"| {size} | {wall:.1f} | {tokens} | {tokens / wall:.1f} | {base_wall / wall:.2f}x "
+                f"| {entry} | {wall:.1f} | {tokens} | {tokens / wall:.1f} | {base_wall / wall:.2f}x "
                 f"| {differ}/{len(texts)} |",
                 flush=True,
             )

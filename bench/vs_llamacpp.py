@@ -306,7 +306,10 @@ def main() -> int:
     print(f"model: {gguf.name}   llama.cpp threads: {args.threads}   OpenBLAS threads: {blas_threads}")
     print(f"max tokens: {args.max_tokens}")
     print(f"load average before: {os.getloadavg()[0]:.2f} (other work on the CPU skews every figure)")
-    print(f"mlxpipe: dtype {info['dtype']}, device {info['device']}, BLAS {info['blas']}")
+    print(
+        f"mlxpipe: dtype {info['dtype']}, int8 activations {info.get('int8_activations')}, "
+        f"device {info['device']}, BLAS {info['blas']}"
+    )
     sizes = [int(b) for b in args.batch.split(",") if int(b) > 0]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max([args.records, *sizes]))]
     records = list(records_from_objects(prompts, settings))
