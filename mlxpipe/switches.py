@@ -1,14 +1,13 @@
 """The environment variables that turn something off (MLXPIPE_BLAS, MLXPIPE_GEMV, MLXPIPE_CPU_FAST,
-MLXPIPE_CALM_LAUNCHER) or on (MLXPIPE_INT8): one reading of "off", and of "on", for all."""
+MLXPIPE_CALM_LAUNCHER, MLXPIPE_INT8): one reading of "off" for all."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["OFF", "ON", "setting", "turned_off", "turned_on"]
+__all__ = ["OFF", "setting", "turned_off"]
 
 OFF = frozenset({"off", "0", "no", "false", "none"})
-ON = frozenset({"on", "1", "yes", "true"})
 
 
 def setting(name: str) -> str:
@@ -19,8 +18,3 @@ def setting(name: str) -> str:
 def turned_off(name: str) -> bool:
     """Whether the variable says off (off, 0, no, false, none; any case)."""
     return setting(name).lower() in OFF
-
-
-def turned_on(name: str) -> bool:
-    """Whether the variable says on (on, 1, yes, true; any case)."""
-    return setting(name).lower() in ON

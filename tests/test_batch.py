@@ -55,17 +55,20 @@ def test_batch_matches_sequential_greedy_and_keeps_order(batch_is_exact: bool) -
 
 
 @pytest.mark.model
-def test_int8_activations_when_asked_give_a_batch_the_answers_of_one_at_a_time() -> None:
-    # MLXPIPE_INT8=on (a CPU with AVX-512 VNNI): 8-bit activations, integer sums; each record's numbers are
-    # its own, so --batch (16 rows and more too: a prompt's rows) answers exactly as --batch 1 does.
-    env = cli_env(MLXPIPE_INT8="on")
-    info = json.loads(run_cli(["--model-info"], input=b"", env=env).stdout)
-    assert info["int8_activations"] is False or info["quantized_rows"] > 0
-    assert json.loads(run_cli(["--model-info"], input=b"").stdout)["int8_activations"] is False  # by default
-    if not info["int8_activations"]:
+def test_8_bit_activations_give_a_batch_the_answers_of_one_at_a_time() -> None:
+    # On a CPU with AVX-512 VNNI the quantized products split activations into 8-bit parts and sum integers:
+    # two parts by default, one with MLXPIPE_INT8=1 (llama.cpp's way), none with off. Each record's numbers
+    # are its own either way, so --batch (16 rows and more too: a prompt's rows) answers as --batch 1 does.
+    def parts(**env: str) -> int:
+        info = json.loads(run_cli(["--model-info"], input=b"", env=cli_env(**env)).stdout)
+        return int(info["int8_activations"])
+
+    if not parts():
         pytest.skip("no AVX-512 VNNI (or no quantized kernels) here")
+    assert (parts(), parts(MLXPIPE_INT8="1"), parts(MLXPIPE_INT8="off")) == (2, 1, 0)
     prompts = [*PROMPTS, *(f"Write one sentence about the number {n}." for n in range(15))]
     lines = "".join(json.dumps({"id": f"r{n}", "prompt": p}) + "\n" for n, p in enumerate(prompts))
+    env = cli_env(MLXPIPE_INT8="1")
     one = run_cli(["--jsonl", "--no-stream", "-n", "12", "--batch", "1"], input=lines, env=env)
     many = run_cli(["--jsonl", "--no-stream", "-n", "12", "--batch", "20"], input=lines, env=env)
     assert one.returncode == many.returncode == 0, one.stderr + many.stderr

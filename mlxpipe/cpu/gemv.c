@@ -1061,24 +1061,26 @@ amx_rows(const qmat *m, const uint8_t *xt, const float *xs, int blocks, int M, f
 #endif
 
 /* ---- 8-bit activations: integer dot products (AVX-512 VNNI) ---------------------------------------------
- * Asked for (MLXPIPE_INT8=on) where the CPU has VNNI, a product by an attached matrix (one row, a batch's
- * rows, a prompt's) multiplies integers, as llama.cpp's CPU products do: each row of A is quantized to 8 bits per group of W (scale
- * max|x| / 127, rounded to nearest), and vpdpbusd multiplies W's 4- or 8-bit values by those bytes, 64 at a
- * time, exactly. Each output then adds, group by group, (scale * sx) * dot + bias * sum(x), by the same
- * float32 operations whatever the number of rows of A and however the rows of W are split between the
- * threads: a row's numbers depend on that row alone, the same at --batch 1 and in any batch or prompt.
- * Not float32's numbers, though (the embedded model's perplexity +1.5%, greedy answers differ): off unless
- * asked for (bench/RESULTS.md, issue 19).
+ * Where the CPU has VNNI, a product by an attached matrix (one row, a batch's rows, a prompt's) multiplies
+ * integers: each row of A is split per group of W (scale sx = max|x| / 127) into two 8-bit parts, x / sx =
+ * q1 + q2 / 256 (|error| <= sx / 512: the embedded model's perplexity the same to four digits, its top token
+ * the same at 99.9% of positions), or with MLXPIPE_INT8=1 into one, as llama.cpp's CPU products do (~1.4x
+ * faster again; perplexity +1.6%, greedy answers part from float32's); vpdpbusd multiplies W's 4- or 8-bit
+ * values by those bytes, 64 at a time, exactly. Each output then adds, group by group, (scale * sx) * dot +
+ * bias * sum(x), by the same float32 operations whatever the number of rows of A and however the rows of W
+ * are split between the threads: a row's numbers depend on that row alone, the same at --batch 1 and in any
+ * batch or prompt (bench/RESULTS.md, issue 19).
  * W is repacked once, on its first such product, 16 rows a register: lane n holds 4 bytes of row n, for
  * 4 bits the values j (low nibble) and j + 4 (high) of 8 consecutive ones, for 8 bits 4 consecutive ones. */
-static int i8_wanted; /* off unless asked for (MLXPIPE_INT8=on): the numbers are not float32's */
+static int i8_wanted; /* 8-bit parts an activation is split into: 0 (the float32 kernels), 1, 2 (gemv.py) */
 #ifdef X86_AVX512
-enum { I8_W = 32, I8_A = 8, I8_AHEAD = 16384 }; /* a tile: rows of W (two registers of 16), rows of A */
+enum { I8_W = 32, I8_AHEAD = 16384 }; /* a tile's rows of W (two registers of 16); bytes fetched ahead */
 static int i8_cpu = -1;
 
+/* the parts that run here: i8_wanted where the CPU has VNNI, else 0 */
 static int i8_runs(void) {
     if (i8_cpu < 0) i8_cpu = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-    return i8_wanted && i8_cpu && kernels() == 2;
+    return i8_cpu && kernels() == 2 ? i8_wanted : 0;
 }
 
 /* 64-byte registers a group of 16 rows of W takes */
@@ -1132,10 +1134,13 @@ static const uint8_t *i8_weights(const qmat *m) {
     return p;
 }
 
-/* M rows of A (stride lda) -> bytes xq (M x k), each group's scale sx and float32 sum xsum (M x groups). */
-__attribute__((target("avx512f,avx512bw"))) static void i8_quantize(const qmat *m, int M, const float *a, long lda,
-                                                                   int8_t *xq, float *sx, float *xsum) {
+/* M rows of A (stride lda) -> bytes xq (M x parts x k: a row's first part, then its second), each group's
+ * scale sx and float32 sum xsum (M x groups). x / sx = q1 + q2 / 256: q1 rounded to nearest, q2 the rest
+ * rounded (|x / sx - q1 - q2 / 256| <= 1/512, against 1/2 with one part). */
+__attribute__((target("avx512f,avx512bw"))) static void i8_quantize(const qmat *m, int parts, int M, const float *a,
+                                                                   long lda, int8_t *xq, float *sx, float *xsum) {
     int k = m->k, group = m->group, groups = k / group;
+    const __m512 fine = _mm512_set1_ps(256.0f);
     for (int i = 0; i < M; i++)
         for (int g = 0; g < groups; g++) {
             const float *x = a + i * lda + (long)g * group;
@@ -1147,69 +1152,86 @@ __attribute__((target("avx512f,avx512bw"))) static void i8_quantize(const qmat *
             }
             float amax = _mm512_reduce_max_ps(most);
             __m512 inverse = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+            int8_t *row = xq + (long)i * parts * k + (long)g * group;
             for (int j = 0; j < group; j += 16) {
-                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + j), inverse));
-                _mm_storeu_si128((__m128i *)(xq + (long)i * k + (long)g * group + j), _mm512_cvtsepi32_epi8(q));
+                __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x + j), inverse);
+                __m512i q = _mm512_cvtps_epi32(y);
+                _mm_storeu_si128((__m128i *)(row + j), _mm512_cvtsepi32_epi8(q));
+                if (parts == 2) {
+                    __m512 rest = _mm512_mul_ps(_mm512_sub_ps(y, _mm512_cvtepi32_ps(q)), fine);
+                    _mm_storeu_si128((__m128i *)(row + k + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rest)));
+                }
             }
             sx[(long)i * groups + g] = amax / 127.0f;
             xsum[(long)i * groups + g] = _mm512_reduce_add_ps(sum);
         }
 }
 
-/* 32 rows of W (two blocks of 16, w and w + bstride) by R rows of A: c[i][0..32) under the masks. */
+/* 32 rows of W (two blocks of 16, w and w + bstride) by R rows of A (x, each row `parts` parts of k bytes):
+ * c[i][0..32) under the masks. CH: W's registers a group when a constant (groups of 32), else 0 (chunks). */
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static inline void
-i8_tile(const int R, const int bits, int groups, int chunks, const uint8_t *w, long bstride, const float *sc,
-        const float *bi, long sstride, const int8_t *xq, int k, int group, const float *sx, const float *xsum,
-        float *c, int ldc, __mmask16 m0, __mmask16 m1) {
+i8_tile(const int R, const int bits, const int P, const int CH, int groups, int chunks, const uint8_t *w,
+        long bstride, const float *sc, const float *bi, long sstride, const int8_t *xq, int k, int group,
+        const float *sx, const float *xsum, float *c, int ldc, __mmask16 m0, __mmask16 m1) {
     const __m512i low = _mm512_set1_epi8(15);
+    const int ch = CH ? CH : chunks, step = bits == 4 ? 8 : 4; /* x's bytes a register of W takes */
+    const long row = (long)P * k;
     __m512 f0[R], f1[R];
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) f0[i] = f1[i] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
-        __m512i d0[R], d1[R];
-        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) d0[i] = d1[i] = _mm512_setzero_si512();
-        const uint8_t *wg = w + (long)g * chunks * 64;
+        __m512i d0[R], d1[R], e0[R], e1[R]; /* sums by the first parts, by the second */
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) d0[i] = d1[i] = e0[i] = e1[i] = _mm512_setzero_si512();
+        const uint8_t *wg = w + (long)g * ch * 64;
         const int8_t *xg = xq + (long)g * group;
         /* W read from memory at a single row's speed outruns the CPU's own prefetching (as the one-row
-         * kernels': PREFETCH ahead). The tile's two blocks lie one after the other, read side by side: the
-         * bytes ahead are fetched as one stream, two lines a step; scales and biases alike, a group a step. */
-        const char *ahead = (const char *)sc + I8_AHEAD / chunks + g * 128;
+         * kernels'). The tile's two blocks lie one after the other, read side by side: the bytes ahead are
+         * fetched as one stream, two lines a step; scales and biases alike, a group a step. */
+        const char *ahead = (const char *)sc + I8_AHEAD / ch + g * 128;
         _mm_prefetch(ahead, _MM_HINT_T0);
         _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        ahead = (const char *)bi + I8_AHEAD / chunks + g * 128;
+        ahead = (const char *)bi + I8_AHEAD / ch + g * 128;
         _mm_prefetch(ahead, _MM_HINT_T0);
         _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        for (int cc = 0; cc < chunks; cc++) {
-            ahead = (const char *)w + I8_AHEAD + ((long)g * chunks + cc) * 128;
+        _Pragma("GCC unroll 8") for (int cc = 0; cc < ch; cc++) {
+            ahead = (const char *)w + I8_AHEAD + ((long)g * ch + cc) * 128;
             _mm_prefetch(ahead, _MM_HINT_T0);
             _mm_prefetch(ahead + 64, _MM_HINT_T0);
             __m512i v0 = _mm512_load_si512(wg + cc * 64), v1 = _mm512_load_si512(wg + bstride + cc * 64);
+            __m512i lo0 = v0, lo1 = v1, hi0 = v0, hi1 = v1;
             if (bits == 4) {
-                __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-                __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-                _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
-                    int32_t xa, xb;
-                    memcpy(&xa, xg + (long)i * k + cc * 8, 4);
-                    memcpy(&xb, xg + (long)i * k + cc * 8 + 4, 4);
-                    __m512i a = _mm512_set1_epi32(xa), b = _mm512_set1_epi32(xb);
-                    d0[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(d0[i], lo0, a), hi0, b);
-                    d1[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(d1[i], lo1, a), hi1, b);
-                }
-            } else {
-                _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+                lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+                lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+            }
+            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+                _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
+                    const int8_t *at = xg + i * row + p * k + cc * step;
                     int32_t xa;
-                    memcpy(&xa, xg + (long)i * k + cc * 4, 4);
-                    __m512i a = _mm512_set1_epi32(xa);
-                    d0[i] = _mm512_dpbusd_epi32(d0[i], v0, a);
-                    d1[i] = _mm512_dpbusd_epi32(d1[i], v1, a);
+                    memcpy(&xa, at, 4);
+                    __m512i a = _mm512_set1_epi32(xa), *s0 = p ? e0 : d0, *s1 = p ? e1 : d1;
+                    s0[i] = _mm512_dpbusd_epi32(s0[i], lo0, a);
+                    s1[i] = _mm512_dpbusd_epi32(s1[i], lo1, a);
+                    if (bits == 4) { /* the high nibbles: the next 4 values of x */
+                        int32_t xb;
+                        memcpy(&xb, at + 4, 4);
+                        __m512i b = _mm512_set1_epi32(xb);
+                        s0[i] = _mm512_dpbusd_epi32(s0[i], hi0, b);
+                        s1[i] = _mm512_dpbusd_epi32(s1[i], hi1, b);
+                    }
                 }
             }
         }
         __m512 s0 = _mm512_load_ps(sc + g * 16), s1 = _mm512_load_ps(sc + sstride + g * 16);
         __m512 b0 = _mm512_load_ps(bi + g * 16), b1 = _mm512_load_ps(bi + sstride + g * 16);
+        const __m512 second = _mm512_set1_ps(1.0f / 256);
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
             __m512 scale = _mm512_set1_ps(sx[(long)i * groups + g]), sum = _mm512_set1_ps(xsum[(long)i * groups + g]);
-            f0[i] = _mm512_fmadd_ps(b0, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0[i]), _mm512_mul_ps(s0, scale), f0[i]));
-            f1[i] = _mm512_fmadd_ps(b1, sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1[i]), _mm512_mul_ps(s1, scale), f1[i]));
+            __m512 t0 = _mm512_cvtepi32_ps(d0[i]), t1 = _mm512_cvtepi32_ps(d1[i]);
+            if (P == 2) {
+                t0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e0[i]), second, t0);
+                t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e1[i]), second, t1);
+            }
+            f0[i] = _mm512_fmadd_ps(b0, sum, _mm512_fmadd_ps(t0, _mm512_mul_ps(s0, scale), f0[i]));
+            f1[i] = _mm512_fmadd_ps(b1, sum, _mm512_fmadd_ps(t1, _mm512_mul_ps(s1, scale), f1[i]));
         }
     }
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
@@ -1218,25 +1240,31 @@ i8_tile(const int R, const int bits, int groups, int chunks, const uint8_t *w, l
     }
 }
 
-#define I8_TILES(R_)                                                                                          \
+/* one tile of R_ rows of A, with the bits, parts and (groups of 32) count of registers as constants */
+#define I8_TILE(R_, P_)                                                                                       \
     do {                                                                                                      \
-        if (m->bits == 4)                                                                                     \
-            i8_tile(R_, 4, groups, chunks, wb, bstride, sc, bi, sstride, x, k, m->group, s, t, cr, ldc, m0, m1); \
+        if (m->bits == 4 && m->group == 32)                                                                   \
+            i8_tile(R_, 4, P_, 4, groups, chunks, wb, bstride, sc, bi, sstride, x, k, 32, s, t, cr, ldc, m0, m1); \
+        else if (m->bits == 4)                                                                                \
+            i8_tile(R_, 4, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, x, k, m->group, s, t, cr, ldc, m0, m1); \
+        else if (m->group == 32)                                                                              \
+            i8_tile(R_, 8, P_, 8, groups, chunks, wb, bstride, sc, bi, sstride, x, k, 32, s, t, cr, ldc, m0, m1); \
         else                                                                                                  \
-            i8_tile(R_, 8, groups, chunks, wb, bstride, sc, bi, sstride, x, k, m->group, s, t, cr, ldc, m0, m1); \
+            i8_tile(R_, 8, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, x, k, m->group, s, t, cr, ldc, m0, m1); \
     } while (0)
 
-/* Rows [r0, r1) of c (r0 a multiple of 32) from p = i8_weights(m) and A quantized by i8_quantize: every
- * I8_A rows of A against the whole stretch of W (kept in L2 meanwhile). */
+/* Rows [r0, r1) of c (r0 a multiple of 32) from p = i8_weights(m) and A quantized by i8_quantize in
+ * `parts`: every 8 rows of A (4 with two parts: the sums' registers) against the whole stretch of W (kept in
+ * L2 meanwhile). */
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void
-i8_rows(const qmat *m, const uint8_t *p, int M, const int8_t *xq, const float *sx, const float *xsum, float *c,
-        int ldc, int r0, int r1) {
-    int k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m);
+i8_rows(const qmat *m, const uint8_t *p, int parts, int M, const int8_t *xq, const float *sx, const float *xsum,
+        float *c, int ldc, int r0, int r1) {
+    int k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m), most = parts == 2 ? 4 : 8;
     long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
     const float *scales = (const float *)(p + blocks * bstride), *biases = scales + blocks * sstride;
-    for (int i0 = 0; i0 < M; i0 += I8_A) {
-        int rows = M - i0 < I8_A ? M - i0 : I8_A;
-        const int8_t *x = xq + (long)i0 * k;
+    for (int i0 = 0; i0 < M; i0 += most) {
+        int rows = M - i0 < most ? M - i0 : most;
+        const int8_t *x = xq + (long)i0 * parts * k;
         const float *s = sx + (long)i0 * groups, *t = xsum + (long)i0 * groups;
         for (int r = r0; r < r1; r += I8_W) {
             int valid = r1 - r < I8_W ? r1 - r : I8_W, b = r / 16;
@@ -1245,25 +1273,29 @@ i8_rows(const qmat *m, const uint8_t *p, int M, const int8_t *xq, const float *s
             const uint8_t *wb = p + b * bstride;
             const float *sc = scales + b * sstride, *bi = biases + b * sstride;
             float *cr = c + (long)i0 * ldc + r;
-            switch (rows) { /* a constant count of rows: their sums stay in registers */
-            case 8: I8_TILES(8); break;
-            case 7: I8_TILES(7); break;
-            case 6: I8_TILES(6); break;
-            case 5: I8_TILES(5); break;
-            case 4: I8_TILES(4); break;
-            case 3: I8_TILES(3); break;
-            case 2: I8_TILES(2); break;
-            default: I8_TILES(1); break;
+            switch (parts * 16 + rows) { /* a constant count of rows: their sums stay in registers */
+            case 24: I8_TILE(8, 1); break;
+            case 23: I8_TILE(7, 1); break;
+            case 22: I8_TILE(6, 1); break;
+            case 21: I8_TILE(5, 1); break;
+            case 20: I8_TILE(4, 1); break;
+            case 19: I8_TILE(3, 1); break;
+            case 18: I8_TILE(2, 1); break;
+            case 17: I8_TILE(1, 1); break;
+            case 36: I8_TILE(4, 2); break;
+            case 35: I8_TILE(3, 2); break;
+            case 34: I8_TILE(2, 2); break;
+            default: I8_TILE(1, 2); break;
             }
         }
     }
 }
 #endif
 
-/* Products by attached matrices with 8-bit activations where the CPU has AVX-512 VNNI (0: the float32
- * kernels everywhere; -1: as they are); whether they run. */
-int mlxpipe_qgemm_int8(int on) {
-    if (on >= 0) i8_wanted = on;
+/* Products by attached matrices from activations in `parts` 8-bit parts where the CPU has AVX-512 VNNI (1
+ * or 2; 0: the float32 kernels everywhere; -1: as they are); the parts that run. */
+int mlxpipe_qgemm_int8(int parts) {
+    if (parts >= 0) i8_wanted = parts > 2 ? 2 : parts;
 #ifdef X86_AVX512
     return i8_runs();
 #else
@@ -1313,7 +1345,7 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
 #ifdef X86_AVX512
     const uint8_t *i8 = i8_weights(m);
     if (i8) { /* x's bytes where xo was, their scales where xe was */
-        i8_quantize(m, 1, x, k, (int8_t *)xo, xe, xsum);
+        i8_quantize(m, i8_runs(), 1, x, k, (int8_t *)xo, xe, xsum);
         one_rows(m, xe, xo, xsum, i8, (const int8_t *)xo, c);
     } else {
     group_sums(m, x, xsum);
@@ -1388,6 +1420,7 @@ typedef struct {
     const uint8_t *i8; /* W repacked (i8_weights), or null: the float32 kernels */
     const int8_t *xq;  /* then A's bytes, their scales sx and A's sums xsum a group (i8_quantize) */
     const float *sx;
+    int parts;
     atomic_int next, done, failed, sleeping;
 } job_t;
 
@@ -1409,7 +1442,7 @@ static int work(job_t *j) {
     int count = 0;
     for (int s; (s = atomic_fetch_add(&j->next, 1)) < j->stretches; count++) {
         int r0 = s * j->stretch, r1 = r0 + j->stretch < j->m->n ? r0 + j->stretch : j->m->n;
-        if (j->i8) i8_rows(j->m, j->i8, j->M, j->xq, j->sx, j->xsum, j->c, j->ldc, r0, r1);
+        if (j->i8) i8_rows(j->m, j->i8, j->parts, j->M, j->xq, j->sx, j->xsum, j->c, j->ldc, r0, r1);
         else if (j->one_row && j->m->bits == 4) rows4(j->m, j->xe, j->xo, j->xsum, r0, r1, j->c);
         else if (j->one_row) rows8(j->m, j->xe, j->xsum, r0, r1, j->c);
         else if (j->at ? !(kernels() == 2 ? gemm_rows_avx512 : gemm_rows_avx2)(j->m, j->at, j->mpad, j->M, j->c,
@@ -1514,14 +1547,14 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
     if (i8) { /* A quantized once for every stretch, of both threads */
         static __thread float *quantized;
         static __thread long quantized_len;
-        long groups = m->k / m->group, need = (long)M * (2 * groups + m->k / 4);
+        long groups = m->k / m->group, need = (long)M * (2 * groups + i8_runs() * m->k / 4);
         if (need > quantized_len) {
             float *grown = realloc(quantized, need * sizeof(float));
             if (!grown) return 0;
             quantized = grown, quantized_len = need;
         }
         sx = quantized, xsum = sx + M * groups, xq = (int8_t *)(xsum + M * groups);
-        i8_quantize(m, M, a, lda, xq, sx, xsum);
+        i8_quantize(m, i8_runs(), M, a, lda, xq, sx, xsum);
     }
     if (!i8 && M > AMX_CHUNK && M >= amx_min_rows && m->group == 32) {
         for (int i0 = 0; i0 < M; i0 += AMX_CHUNK) /* a row's sums do not depend on the rows beside it */
@@ -1603,7 +1636,7 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
     j->stretches = (n + stretch - 1) / stretch;
     j->one_row = 0;
     j->at = at, j->mpad = mpad;
-    j->i8 = i8, j->xq = xq, j->sx = sx, j->xsum = xsum;
+    j->i8 = i8, j->xq = xq, j->sx = sx, j->xsum = xsum, j->parts = i8_runs();
     /* two late helpers in a row: a VM's one-off delay does not cost a step's products on one thread */
     if (shared && run_shared(j)) late_in_row = 0;
     else if (shared && ++late_in_row >= 2) alone_for = ALONE, alone_spells++, late_in_row = 0;
@@ -2085,7 +2118,7 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
     }
     if (!shared) {
         double start = now();
-        if (i8) i8_rows(m, i8, 1, xq, xe, xsum, c, n, 0, n);
+        if (i8) i8_rows(m, i8, i8_runs(), 1, xq, xe, xsum, c, n, 0, n);
         else if (m->bits == 4) rows4(m, xe, xo, xsum, 0, n, c);
         else rows8(m, xe, xsum, 0, n, c);
         double rate = weights / (now() - start + 1e-9);
@@ -2099,7 +2132,7 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
     if (i8) stretch = stretch < I8_W ? I8_W : stretch / I8_W * I8_W;
     job_t *j = &job;
     j->m = m, j->c = c, j->xe = xe, j->xo = xo, j->xsum = xsum, j->one_row = 1, j->xt = 0, j->at = 0;
-    j->i8 = i8, j->xq = xq, j->sx = xe, j->M = 1, j->ldc = n;
+    j->i8 = i8, j->xq = xq, j->sx = xe, j->M = 1, j->ldc = n, j->parts = i8_runs();
     j->stretch = stretch, j->stretches = (n + stretch - 1) / stretch;
     /* a helper that made the caller wait is left out for a while: beside a busy process it may get no core,
      * or lose it in a stretch (as the several-row products' rule) */
