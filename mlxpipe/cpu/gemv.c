@@ -1072,7 +1072,7 @@ amx_rows(const qmat *m, const uint8_t *xt, const float *xs, int blocks, int M, f
  * batch or prompt (bench/RESULTS.md, issue 19).
  * W is repacked once, on its first such product, 16 rows a register: lane n holds 4 bytes of row n, for
  * 4 bits the values j (low nibble) and j + 4 (high) of 8 consecutive ones, for 8 bits 4 consecutive ones. */
-static int i8_wanted; /* 8-bit parts an activation is split into: 0 (the float32 kernels), 1, 2 (gemv.py) */
+static int i8_wanted = 2; /* 8-bit parts an activation is split into: 0 (the float32 kernels), 1, 2 (gemv.py) */
 #ifdef X86_AVX512
 enum { I8_W = 32, I8_AHEAD = 16384 }; /* a tile's rows of W (two registers of 16); bytes fetched ahead */
 static int i8_cpu = -1;

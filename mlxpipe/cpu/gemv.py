@@ -24,7 +24,7 @@ layer) shares its rows with the helper thread too (:func:`share_one_rows`), each
 
 On a CPU with AVX-512 VNNI all those products (one row or many) split each row of A per group into two 8-bit
 parts and sum integers (:func:`use_int8`): 1.7-2.4x faster products of 16-64 rows than the float32 GEMM, each
-row's numbers its own (the same at ``--batch 1`` and in any batch), within ~1e-5 of float32's (the embedded
+row's numbers its own (the same at ``--batch 1`` and in any batch), within ~1e-4 of float32's (the embedded
 model's perplexity the same to four digits). ``MLXPIPE_INT8=1`` takes one part, as llama.cpp's CPU products
 do (~1.4x faster again, perplexity +1.6%, greedy answers part from float32's); ``MLXPIPE_INT8=off`` keeps
 the float32 kernels.
