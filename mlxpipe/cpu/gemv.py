@@ -27,7 +27,7 @@ parts and sum integers (:func:`use_int8`): 1.7-2.4x faster products of 16-64 row
 row's numbers its own (the same at ``--batch 1`` and in any batch), within ~1e-4 of float32's (the embedded
 model's perplexity the same to four digits). ``MLXPIPE_INT8=1`` takes one part, as llama.cpp's CPU products
 do (~1.4x faster again, perplexity +1.6%, greedy answers part from float32's); ``MLXPIPE_INT8=off`` keeps
-the float32 kernels.
+the float32 kernels (and AMX, which otherwise the integer products replace).
 """
 
 from __future__ import annotations
