@@ -638,3 +638,44 @@ def test_int8_products_sum_integers_and_a_rows_numbers_depend_on_it_alone(openbl
     finally:
         shim.mlxpipe_qgemm_int8(0)
         shim.mlxpipe_qgemm_threads(1)
+
+
+def test_avx_vnni_products_are_the_avx512_ones_to_the_last_bit(openblas: Any) -> None:
+    # A CPU with AVX-VNNI but not AVX-512 (AVX2 and 256-bit VNNI) takes the same integer products, 8 lanes a
+    # register: the same numbers as AVX-512's (tried where the CPU has both).
+    shim = _own_shim(openblas, quantized=True)
+    if shim.mlxpipe_qgemm_int8(2) != 2:
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    shim.mlxpipe_qgemv_avx2(1)
+    both = shim.mlxpipe_qgemm_int8(2) == 2
+    shim.mlxpipe_qgemv_avx2(0)
+    if not both:
+        pytest.skip("no AVX-VNNI beside AVX-512 VNNI on this CPU")
+    rng = np.random.default_rng(31)
+    ptr = ctypes.c_void_p
+    shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
+    try:
+        for (n, k, bits, group), threads, parts in itertools.product(shapes, [1, 2], [1, 2]):
+            shim.mlxpipe_qgemm_threads(threads)
+            shim.mlxpipe_qgemm_int8(parts)
+            w, *_alive = _registered(shim, rng, n, k, bits, group)
+            x = rng.standard_normal((64, k + 5)).astype(np.float32)[:, :k]
+            for m in [1, 2, 3, 17, 64]:
+                wide = _product(shim, w, x[:m])[0] if m > 1 else None
+                shim.mlxpipe_qgemv_avx2(1)
+                narrow = _product(shim, w, x[:m])[0] if m > 1 else None
+                shim.mlxpipe_qgemv_avx2(0)
+                if m == 1:  # a one-row product: qgemv's path
+                    wide, narrow = np.zeros((1, n), np.float32), np.zeros((1, n), np.float32)
+                    for out, avx2 in [(wide, 0), (narrow, 1)]:
+                        shim.mlxpipe_qgemv_avx2(avx2)
+                        shim.cblas_sgemm(
+                            ROW_MAJOR, NO_TRANS, TRANS, 1, n, k, ctypes.c_float(1.0), ptr(x.ctypes.data), k,
+                            ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(out.ctypes.data), n,
+                        )  # fmt: skip
+                    shim.mlxpipe_qgemv_avx2(0)
+                assert (wide == narrow).all(), (n, k, bits, group, m, threads, parts)
+    finally:
+        shim.mlxpipe_qgemv_avx2(0)
+        shim.mlxpipe_qgemm_int8(0)
+        shim.mlxpipe_qgemm_threads(1)

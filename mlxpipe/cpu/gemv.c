@@ -1077,10 +1077,15 @@ static int i8_wanted = 2; /* 8-bit parts an activation is split into: 0 (the flo
 enum { I8_W = 32, I8_AHEAD = 16384 }; /* a tile's rows of W (two registers of 16); bytes fetched ahead */
 static int i8_cpu = -1;
 
-/* the parts that run here: i8_wanted where the CPU has VNNI, else 0 */
+/* the parts that run here: i8_wanted where the CPU has VNNI (AVX-512's, or AVX-VNNI beside AVX2), else 0 */
 static int i8_runs(void) {
-    if (i8_cpu < 0) i8_cpu = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-    return i8_cpu && kernels() == 2 ? i8_wanted : 0;
+    if (i8_cpu < 0) {
+        unsigned a = 0, b, c, d;
+        int avxvnni = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1); /* CPUID.(7,1):EAX[4] */
+        i8_cpu = (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") ? 2 : 0) |
+                 (avxvnni ? 1 : 0);
+    }
+    return (kernels() == 2 && (i8_cpu & 2)) || (kernels() == 1 && (i8_cpu & 1)) ? i8_wanted : 0;
 }
 
 /* 64-byte registers a group of 16 rows of W takes */
@@ -1134,6 +1139,14 @@ static const uint8_t *i8_weights(const qmat *m) {
     return p;
 }
 
+/* 16 partial sums added in one fixed order (a tree: lanes i and i + 8, then 4 apart, 2, 1) */
+static float lanes_sum(const float *l) {
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = l[i] + l[i + 8];
+    for (int i = 0; i < 4; i++) t[i] = t[i] + t[i + 4];
+    return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
 /* M rows of A (stride lda) -> bytes xq (M x parts x k: a row's first part, then its second), each group's
  * scale sx and float32 sum xsum (M x groups). x / sx = q1 + q2 / 256: q1 rounded to nearest, q2 the rest
  * rounded (|x / sx - q1 - q2 / 256| <= 1/512, against 1/2 with one part). */
@@ -1162,8 +1175,51 @@ __attribute__((target("avx512f,avx512bw"))) static void i8_quantize(const qmat *
                     _mm_storeu_si128((__m128i *)(row + k + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rest)));
                 }
             }
+            float lanes[16];
+            _mm512_storeu_ps(lanes, sum);
             sx[(long)i * groups + g] = amax / 127.0f;
-            xsum[(long)i * groups + g] = _mm512_reduce_add_ps(sum);
+            xsum[(long)i * groups + g] = lanes_sum(lanes);
+        }
+}
+
+/* i8_quantize with AVX2 (a CPU with AVX-VNNI but not AVX-512): the same bytes, scales and sums. */
+__attribute__((target("avx2,fma"))) static void i8_quantize256(const qmat *m, int parts, int M, const float *a,
+                                                              long lda, int8_t *xq, float *sx, float *xsum) {
+    int k = m->k, group = m->group, groups = k / group;
+    const __m256 fine = _mm256_set1_ps(256.0f), magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < M; i++)
+        for (int g = 0; g < groups; g++) {
+            const float *x = a + i * lda + (long)g * group;
+            __m256 most0 = _mm256_setzero_ps(), most1 = most0, sum0 = most0, sum1 = most0;
+            for (int j = 0; j < group; j += 16) { /* lanes 0-7 and 8-15 of the AVX-512 version's registers */
+                __m256 v0 = _mm256_loadu_ps(x + j), v1 = _mm256_loadu_ps(x + j + 8);
+                most0 = _mm256_max_ps(most0, _mm256_and_ps(v0, magnitude));
+                most1 = _mm256_max_ps(most1, _mm256_and_ps(v1, magnitude));
+                sum0 = _mm256_add_ps(sum0, v0), sum1 = _mm256_add_ps(sum1, v1);
+            }
+            float lanes[16], amax = 0;
+            _mm256_storeu_ps(lanes, _mm256_max_ps(most0, most1));
+            for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+            __m256 inverse = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+            int8_t *row = xq + (long)i * parts * k + (long)g * group;
+            for (int j = 0; j < group; j += 8) {
+                __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + j), inverse);
+                __m256i q = _mm256_cvtps_epi32(y);
+                int32_t first[8], second[8];
+                _mm256_storeu_si256((__m256i *)first, q);
+                if (parts == 2)
+                    _mm256_storeu_si256((__m256i *)second,
+                                        _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(y, _mm256_cvtepi32_ps(q)), fine)));
+                for (int l = 0; l < 8; l++) { /* saturated, as vpmovsdb */
+                    row[j + l] = (int8_t)(first[l] > 127 ? 127 : first[l] < -128 ? -128 : first[l]);
+                    if (parts == 2)
+                        row[k + j + l] = (int8_t)(second[l] > 127 ? 127 : second[l] < -128 ? -128 : second[l]);
+                }
+            }
+            _mm256_storeu_ps(lanes, sum0);
+            _mm256_storeu_ps(lanes + 8, sum1);
+            sx[(long)i * groups + g] = amax / 127.0f;
+            xsum[(long)i * groups + g] = lanes_sum(lanes);
         }
 }
 
@@ -1290,7 +1346,122 @@ i8_rows(const qmat *m, const uint8_t *p, int parts, int M, const int8_t *xq, con
         }
     }
 }
+/* i8_tile with AVX-VNNI (an AVX2 CPU with VNNI): one block of 16 rows of W, as two registers of 8 (a packed
+ * register's halves), by R rows of A; the same operations lane by lane, so the same numbers. */
+__attribute__((target("avx2,avxvnni,fma"), always_inline)) static inline void
+i8_tile256(const int R, const int bits, const int P, const int CH, int groups, int chunks, const uint8_t *w,
+           const float *sc, const float *bi, const int8_t *xq, int k, int group, const float *sx,
+           const float *xsum, float *c, int ldc, int valid) {
+    const __m256i low = _mm256_set1_epi8(15);
+    const int ch = CH ? CH : chunks, step = bits == 4 ? 8 : 4;
+    const long row = (long)P * k;
+    __m256 f0[R], f1[R];
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) f0[i] = f1[i] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m256i d0[R], d1[R], e0[R], e1[R];
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) d0[i] = d1[i] = e0[i] = e1[i] = _mm256_setzero_si256();
+        const uint8_t *wg = w + (long)g * ch * 64;
+        const int8_t *xg = xq + (long)g * group;
+        _mm_prefetch((const char *)sc + I8_AHEAD / ch + g * 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)bi + I8_AHEAD / ch + g * 64, _MM_HINT_T0);
+        _Pragma("GCC unroll 8") for (int cc = 0; cc < ch; cc++) {
+            _mm_prefetch((const char *)wg + I8_AHEAD + cc * 64, _MM_HINT_T0);
+            __m256i v0 = _mm256_load_si256((const __m256i *)(wg + cc * 64));
+            __m256i v1 = _mm256_load_si256((const __m256i *)(wg + cc * 64 + 32));
+            __m256i lo0 = v0, lo1 = v1, hi0 = v0, hi1 = v1;
+            if (bits == 4) {
+                lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+                lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+            }
+            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+                _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
+                    const int8_t *at = xg + i * row + p * k + cc * step;
+                    int32_t xa;
+                    memcpy(&xa, at, 4);
+                    __m256i a = _mm256_set1_epi32(xa), *s0 = p ? e0 : d0, *s1 = p ? e1 : d1;
+                    s0[i] = _mm256_dpbusd_avx_epi32(s0[i], lo0, a);
+                    s1[i] = _mm256_dpbusd_avx_epi32(s1[i], lo1, a);
+                    if (bits == 4) {
+                        int32_t xb;
+                        memcpy(&xb, at + 4, 4);
+                        __m256i b = _mm256_set1_epi32(xb);
+                        s0[i] = _mm256_dpbusd_avx_epi32(s0[i], hi0, b);
+                        s1[i] = _mm256_dpbusd_avx_epi32(s1[i], hi1, b);
+                    }
+                }
+            }
+        }
+        __m256 s0 = _mm256_load_ps(sc + g * 16), s1 = _mm256_load_ps(sc + g * 16 + 8);
+        __m256 b0 = _mm256_load_ps(bi + g * 16), b1 = _mm256_load_ps(bi + g * 16 + 8);
+        const __m256 second = _mm256_set1_ps(1.0f / 256);
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+            __m256 scale = _mm256_set1_ps(sx[(long)i * groups + g]), sum = _mm256_set1_ps(xsum[(long)i * groups + g]);
+            __m256 t0 = _mm256_cvtepi32_ps(d0[i]), t1 = _mm256_cvtepi32_ps(d1[i]);
+            if (P == 2) {
+                t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e0[i]), second, t0);
+                t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e1[i]), second, t1);
+            }
+            f0[i] = _mm256_fmadd_ps(b0, sum, _mm256_fmadd_ps(t0, _mm256_mul_ps(s0, scale), f0[i]));
+            f1[i] = _mm256_fmadd_ps(b1, sum, _mm256_fmadd_ps(t1, _mm256_mul_ps(s1, scale), f1[i]));
+        }
+    }
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), iota);
+    __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid - 8), iota);
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+        _mm256_maskstore_ps(c + (long)i * ldc, m0, f0[i]);
+        _mm256_maskstore_ps(c + (long)i * ldc + 8, m1, f1[i]);
+    }
+}
+
+#define I8_TILE256(R_, P_)                                                                                    \
+    do {                                                                                                      \
+        if (m->bits == 4 && m->group == 32)                                                                   \
+            i8_tile256(R_, 4, P_, 4, groups, chunks, wb, sc, bi, x, k, 32, s, t, cr, ldc, valid);             \
+        else if (m->bits == 4)                                                                                \
+            i8_tile256(R_, 4, P_, 0, groups, chunks, wb, sc, bi, x, k, m->group, s, t, cr, ldc, valid);       \
+        else if (m->group == 32)                                                                              \
+            i8_tile256(R_, 8, P_, 8, groups, chunks, wb, sc, bi, x, k, 32, s, t, cr, ldc, valid);             \
+        else                                                                                                  \
+            i8_tile256(R_, 8, P_, 0, groups, chunks, wb, sc, bi, x, k, m->group, s, t, cr, ldc, valid);       \
+    } while (0)
+
+/* i8_rows with AVX-VNNI: 16 rows of W a tile, 2 rows of A (1 with two parts: AVX2 has 16 registers). */
+__attribute__((target("avx2,avxvnni,fma"))) static void i8_rows256(const qmat *m, const uint8_t *p, int parts, int M,
+                                                                  const int8_t *xq, const float *sx,
+                                                                  const float *xsum, float *c, int ldc, int r0,
+                                                                  int r1) {
+    int k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m), most = parts == 2 ? 1 : 2;
+    long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
+    const float *scales = (const float *)(p + blocks * bstride), *biases = scales + blocks * sstride;
+    for (int i0 = 0; i0 < M; i0 += most) {
+        int rows = M - i0 < most ? M - i0 : most;
+        const int8_t *x = xq + (long)i0 * parts * k;
+        const float *s = sx + (long)i0 * groups, *t = xsum + (long)i0 * groups;
+        for (int r = r0; r < r1; r += 16) {
+            int valid = r1 - r < 16 ? r1 - r : 16, b = r / 16;
+            const uint8_t *wb = p + b * bstride;
+            const float *sc = scales + b * sstride, *bi = biases + b * sstride;
+            float *cr = c + (long)i0 * ldc + r;
+            if (parts == 2) I8_TILE256(1, 2);
+            else if (rows == 2) I8_TILE256(2, 1);
+            else I8_TILE256(1, 1);
+        }
+    }
+}
+
+/* The quantizing and tiles of the kernels this CPU runs */
+static void i8_quantize_any(const qmat *m, int parts, int M, const float *a, long lda, int8_t *xq, float *sx,
+                            float *xsum) {
+    (kernels() == 2 ? i8_quantize : i8_quantize256)(m, parts, M, a, lda, xq, sx, xsum);
+}
+
+static void i8_rows_any(const qmat *m, const uint8_t *p, int parts, int M, const int8_t *xq, const float *sx,
+                        const float *xsum, float *c, int ldc, int r0, int r1) {
+    (kernels() == 2 ? i8_rows : i8_rows256)(m, p, parts, M, xq, sx, xsum, c, ldc, r0, r1);
+}
 #endif
+
 
 /* Products by attached matrices from activations in `parts` 8-bit parts where the CPU has AVX-512 VNNI (1
  * or 2; 0: the float32 kernels everywhere; -1: as they are); the parts that run. */
@@ -1345,7 +1516,7 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
 #ifdef X86_AVX512
     const uint8_t *i8 = i8_weights(m);
     if (i8) { /* x's bytes where xo was, their scales where xe was */
-        i8_quantize(m, i8_runs(), 1, x, k, (int8_t *)xo, xe, xsum);
+        i8_quantize_any(m, i8_runs(), 1, x, k, (int8_t *)xo, xe, xsum);
         one_rows(m, xe, xo, xsum, i8, (const int8_t *)xo, c);
     } else {
     group_sums(m, x, xsum);
@@ -1442,7 +1613,7 @@ static int work(job_t *j) {
     int count = 0;
     for (int s; (s = atomic_fetch_add(&j->next, 1)) < j->stretches; count++) {
         int r0 = s * j->stretch, r1 = r0 + j->stretch < j->m->n ? r0 + j->stretch : j->m->n;
-        if (j->i8) i8_rows(j->m, j->i8, j->parts, j->M, j->xq, j->sx, j->xsum, j->c, j->ldc, r0, r1);
+        if (j->i8) i8_rows_any(j->m, j->i8, j->parts, j->M, j->xq, j->sx, j->xsum, j->c, j->ldc, r0, r1);
         else if (j->one_row && j->m->bits == 4) rows4(j->m, j->xe, j->xo, j->xsum, r0, r1, j->c);
         else if (j->one_row) rows8(j->m, j->xe, j->xsum, r0, r1, j->c);
         else if (j->at ? !(kernels() == 2 ? gemm_rows_avx512 : gemm_rows_avx2)(j->m, j->at, j->mpad, j->M, j->c,
@@ -1554,7 +1725,7 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
             quantized = grown, quantized_len = need;
         }
         sx = quantized, xsum = sx + M * groups, xq = (int8_t *)(xsum + M * groups);
-        i8_quantize(m, i8_runs(), M, a, lda, xq, sx, xsum);
+        i8_quantize_any(m, i8_runs(), M, a, lda, xq, sx, xsum);
     }
     if (!i8 && M > AMX_CHUNK && M >= amx_min_rows && m->group == 32) {
         for (int i0 = 0; i0 < M; i0 += AMX_CHUNK) /* a row's sums do not depend on the rows beside it */
@@ -2118,7 +2289,7 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
     }
     if (!shared) {
         double start = now();
-        if (i8) i8_rows(m, i8, i8_runs(), 1, xq, xe, xsum, c, n, 0, n);
+        if (i8) i8_rows_any(m, i8, i8_runs(), 1, xq, xe, xsum, c, n, 0, n);
         else if (m->bits == 4) rows4(m, xe, xo, xsum, 0, n, c);
         else rows8(m, xe, xsum, 0, n, c);
         double rate = weights / (now() - start + 1e-9);
