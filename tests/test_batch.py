@@ -56,7 +56,7 @@ def test_batch_matches_sequential_greedy_and_keeps_order(batch_is_exact: bool) -
 
 @pytest.mark.model
 def test_8_bit_activations_give_a_batch_the_answers_of_one_at_a_time() -> None:
-    # On a CPU with AVX-512 VNNI the quantized products split activations into 8-bit parts and sum integers:
+    # On a CPU with VNNI the quantized products split activations into 8-bit parts and sum integers:
     # two parts by default, one with MLXPIPE_INT8=1 (llama.cpp's way), none with off. Each record's numbers
     # are its own either way, so --batch (16 rows and more too: a prompt's rows) answers as --batch 1 does.
     def parts(**env: str) -> int:
@@ -64,7 +64,7 @@ def test_8_bit_activations_give_a_batch_the_answers_of_one_at_a_time() -> None:
         return int(info["int8_activations"])
 
     if not parts():
-        pytest.skip("no AVX-512 VNNI (or no quantized kernels) here")
+        pytest.skip("no VNNI (or no quantized kernels) here")
     assert (parts(), parts(MLXPIPE_INT8="1"), parts(MLXPIPE_INT8="off")) == (2, 1, 0)
     prompts = [*PROMPTS, *(f"Write one sentence about the number {n}." for n in range(15))]
     lines = "".join(json.dumps({"id": f"r{n}", "prompt": p}) + "\n" for n, p in enumerate(prompts))

@@ -1060,7 +1060,7 @@ amx_rows(const qmat *m, const uint8_t *xt, const float *xs, int blocks, int M, f
 }
 #endif
 
-/* ---- 8-bit activations: integer dot products (AVX-512 VNNI) ---------------------------------------------
+/* ---- 8-bit activations: integer dot products (AVX-512 VNNI, AVX-VNNI) -----------------------------------
  * Where the CPU has VNNI, a product by an attached matrix (one row, a batch's rows, a prompt's) multiplies
  * integers: each row of A is split per group of W (scale sx = max|x| / 127) into two 8-bit parts, x / sx =
  * q1 + q2 / 256 (|error| <= sx / 512: the embedded model's perplexity the same to four digits, its top token
@@ -1463,7 +1463,7 @@ static void i8_rows_any(const qmat *m, const uint8_t *p, int parts, int M, const
 #endif
 
 
-/* Products by attached matrices from activations in `parts` 8-bit parts where the CPU has AVX-512 VNNI (1
+/* Products by attached matrices from activations in `parts` 8-bit parts where the CPU has VNNI (1
  * or 2; 0: the float32 kernels everywhere; -1: as they are); the parts that run. */
 int mlxpipe_qgemm_int8(int parts) {
     if (parts >= 0) i8_wanted = parts > 2 ? 2 : parts;

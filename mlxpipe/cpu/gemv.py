@@ -22,12 +22,13 @@ W's dequantized rows (AVX-512 or AVX2, the same sums on either), in the same sen
 it alone, in another order than the one-row kernels'. A large one-row product (a single stream's output
 layer) shares its rows with the helper thread too (:func:`share_one_rows`), each row summed as alone.
 
-On a CPU with AVX-512 VNNI all those products (one row or many) split each row of A per group into two 8-bit
-parts and sum integers (:func:`use_int8`): 1.7-2.4x faster products of 16-64 rows than the float32 GEMM, each
-row's numbers its own (the same at ``--batch 1`` and in any batch), within ~1e-4 of float32's (the embedded
-model's perplexity the same to four digits). ``MLXPIPE_INT8=1`` takes one part, as llama.cpp's CPU products
-do (~1.4x faster again, perplexity +1.6%, greedy answers part from float32's); ``MLXPIPE_INT8=off`` keeps
-the float32 kernels (and AMX, which otherwise the integer products replace).
+On a CPU with VNNI (AVX-512's, or AVX-VNNI beside AVX2) all those products (one row or many) split each row
+of A per group into two 8-bit parts and sum integers (:func:`use_int8`): 1.7-2.4x faster products of 16-64
+rows than the float32 GEMM on AVX-512, each row's numbers its own (the same at ``--batch 1`` and in any
+batch, and with either kind of VNNI), within ~1e-4 of float32's (the embedded model's perplexity the same to
+four digits). ``MLXPIPE_INT8=1`` takes one part, as llama.cpp's CPU products do (~1.4x faster again,
+perplexity +1.6%, greedy answers part from float32's); ``MLXPIPE_INT8=off`` keeps the float32 kernels (and
+AMX, which otherwise the integer products replace).
 """
 
 from __future__ import annotations
@@ -288,13 +289,13 @@ def int8_parts() -> int:
 
 def use_int8(parts: int) -> int:
     """Products by attached matrices from activations split into ``parts`` 8-bit parts (1 or 2; 0: the float32
-    kernels) where the CPU has AVX-512 VNNI; the parts that run now (0 elsewhere)."""
+    kernels) where the CPU has VNNI; the parts that run now (0 elsewhere)."""
     return 0 if _shim is None else int(_shim.mlxpipe_qgemm_int8(parts))
 
 
 def int8_activations() -> int:
     """The 8-bit parts products by attached matrices split each activation into here (``MLXPIPE_INT8``; 0:
-    none, the float32 kernels, as on a CPU without AVX-512 VNNI)."""
+    none, the float32 kernels, as on a CPU without VNNI)."""
     return 0 if _shim is None else int(_shim.mlxpipe_qgemm_int8(-1))
 
 
