@@ -82,11 +82,17 @@ int mlxpipe_qgemv_register(const float *w, int n, int k, int bits, int group, co
     return 1;
 }
 
-/* Marks w's entries dead (their products go back to the BLAS); the slots stay, so that lookups probe past. */
+/* Marks w's entries dead (their products go back to the BLAS); the slots stay, so that lookups probe past.
+ * Their repacked copies stay too, until mlxpipe_qgemv_release: a product may still be reading one. */
 void mlxpipe_qgemv_unregister(const float *w) {
     for (unsigned i = slot_of(w); table[i].w; i = (i + 1) & (TABLE - 1))
-        if (table[i].w == w) {
-            table[i].n = -1;
+        if (table[i].w == w) table[i].n = -1;
+}
+
+/* Frees the repacked copies of dead entries, once no product can be reading them. */
+void mlxpipe_qgemv_release(void) {
+    for (unsigned i = 0; i < TABLE; i++)
+        if (table[i].n < 0 && table[i].i8) {
             free(table[i].i8);
             table[i].i8 = 0;
         }

@@ -252,6 +252,8 @@ def detach(weights: Any, settle: Callable[[], None] = lambda: None) -> None:
         if _shim is not None:
             _shim.mlxpipe_qgemv_unregister(ctypes.c_void_p(_address(w)))
     settle()
+    if _shim is not None:
+        _shim.mlxpipe_qgemv_release()  # their repacked copies (the integer products'), now unread
     for w in weights:
         _attached.pop(_key(w), None)
         _held.pop(_key(w), None)
