@@ -41,6 +41,14 @@ def _own_shim(openblas: Any, quantized: bool = False, avx2: bool = False, int8: 
     return shim
 
 
+@pytest.fixture(autouse=True)
+def _integer_products_as_asked() -> Iterator[None]:
+    """A test may set the library's integer products (one copy a path: the engine's too, in this process):
+    what MLXPIPE_INT8 asks for is put back after each."""
+    yield
+    ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL).mlxpipe_qgemm_int8(gemv.int8_parts())
+
+
 @pytest.fixture(params=[False, True], ids=["best-kernels", "avx2-kernels"])
 def avx2(request: pytest.FixtureRequest) -> Iterator[bool]:
     """Each quantized test twice: with the best kernels this CPU has, and with the AVX2 ones (on a CPU
@@ -474,6 +482,7 @@ def test_amx_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -
     shim = ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL)  # a copy of its own: its table starts empty
     if not shim.mlxpipe_qgemv_available() or not shim.mlxpipe_qgemm_amx(2):
         pytest.skip("no AMX (bfloat16 tiles) for this process")
+    shim.mlxpipe_qgemm_int8(0)  # AMX's tiles, not the integer products that take their place by default
     shim.mlxpipe_qgemm_max_rows(1 << 30)  # (the same library as the tests' above, if they loaded it)
     assert shim.mlxpipe_gemv_init(
         ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)

@@ -67,6 +67,7 @@ __all__ = [
     "detach",
     "install",
     "int8_activations",
+    "int8_parts",
     "quantized_available",
     "quantized_batch_calls",
     "quantized_calls",
