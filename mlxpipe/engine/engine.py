@@ -148,7 +148,8 @@ class Engine:
             info["blas"]["threads"] = threads  # now: 1 while one stream decodes, else the default
         info["cpu_fast_paths"] = self.cpu_fast_paths
         info["quantized_rows"] = self.quantized_rows
-        info["int8_activations"] = gemv.int8_activations()  # MLXPIPE_INT8=on, where the CPU has VNNI
+        # the 8-bit parts of the integer products (MLXPIPE_INT8; a CPU with VNNI), when quantized kernels run
+        info["int8_activations"] = gemv.int8_activations() if self.quantized_rows else 0
         if self.batch_choice is not None:
             info["batch"] = self.batch_choice
         return info
