@@ -10,7 +10,9 @@
  * A weight matrix can also be registered with its quantized form (mlx's affine 4- or 8-bit layout, the one
  * a GGUF loads as): a one-row product by that matrix then reads the quantized bytes instead of the float32
  * ones, 5-8x fewer, and computes the same sums (scale * q + bias, summed in another order). So does a
- * product of several rows (a --batch decode step, a prompt), each row summed exactly as alone.
+ * product of several rows (a --batch decode step, a prompt), each row summed exactly as alone. Where the CPU
+ * has VNNI, all of them are integer products instead, from activations split into 8-bit parts (within ~1e-4
+ * of those sums; below, "8-bit activations"), each row's numbers still its own.
  */
 #include <stdint.h>
 #include <stdlib.h>
