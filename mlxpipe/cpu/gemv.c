@@ -1131,10 +1131,9 @@ static uint8_t *i8_pack(const qmat *m) {
     return p;
 }
 
-/* m's repacked form, made on first use (two threads may race to make it: one keeps its copy); 0 when
- * these kernels do not run here, or memory ran out. */
+/* m's repacked form, made on first use (two threads may race to make it: one keeps its copy); 0 when memory
+ * ran out. */
 static const uint8_t *i8_weights(const qmat *m) {
-    if (!i8_runs()) return 0;
     qmat *e = (qmat *)m;
     uint8_t *p = __atomic_load_n(&e->i8, __ATOMIC_ACQUIRE);
     if (p) return p;
@@ -1146,6 +1145,15 @@ static const uint8_t *i8_weights(const qmat *m) {
     }
     return p;
 }
+
+/* An integer product's operands: W repacked (i8_weights), A's bytes in `parts` parts (a row's first part,
+ * then its second), each group's scale sx and float32 sum xsum (i8_quantize). */
+typedef struct {
+    const uint8_t *w;
+    const int8_t *xq;
+    const float *sx, *xsum;
+    int parts;
+} i8_input;
 
 /* 16 partial sums added in one fixed order (a tree: lanes i and i + 8, then 4 apart, 2, 1) */
 static float lanes_sum(const float *l) {
@@ -1317,19 +1325,19 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
             i8_tile(R_, 8, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, x, k, m->group, s, t, cr, ldc, m0, m1); \
     } while (0)
 
-/* Rows [r0, r1) of c (r0 a multiple of 32) from p = i8_weights(m) and A quantized by i8_quantize in
- * `parts`: every 8 rows of A (4 with two parts: the sums' registers) against the whole stretch of W (kept in
- * L2 meanwhile). */
-__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void
-i8_rows(const qmat *m, const uint8_t *p, int parts, int M, const int8_t *xq, const float *sx, const float *xsum,
-        float *c, int ldc, int r0, int r1) {
-    int k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m), most = parts == 2 ? 4 : 8;
+/* Rows [r0, r1) of c (r0 a multiple of 32) from M rows of A: every 8 rows of A (4 with two parts: the sums'
+ * registers) against the whole stretch of W (kept in L2 meanwhile). */
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(const qmat *m, const i8_input *in,
+                                                                             int M, float *c, int ldc, int r0,
+                                                                             int r1) {
+    const uint8_t *p = in->w;
+    int parts = in->parts, k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m), most = parts == 2 ? 4 : 8;
     long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
     const float *scales = (const float *)(p + blocks * bstride), *biases = scales + blocks * sstride;
     for (int i0 = 0; i0 < M; i0 += most) {
         int rows = M - i0 < most ? M - i0 : most;
-        const int8_t *x = xq + (long)i0 * parts * k;
-        const float *s = sx + (long)i0 * groups, *t = xsum + (long)i0 * groups;
+        const int8_t *x = in->xq + (long)i0 * parts * k;
+        const float *s = in->sx + (long)i0 * groups, *t = in->xsum + (long)i0 * groups;
         for (int r = r0; r < r1; r += I8_W) {
             int valid = r1 - r < I8_W ? r1 - r : I8_W, b = r / 16;
             __mmask16 m0 = valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1);
@@ -1435,17 +1443,16 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
     } while (0)
 
 /* i8_rows with AVX-VNNI: 16 rows of W a tile, 2 rows of A (1 with two parts: AVX2 has 16 registers). */
-__attribute__((target("avx2,avxvnni,fma"))) static void i8_rows256(const qmat *m, const uint8_t *p, int parts, int M,
-                                                                  const int8_t *xq, const float *sx,
-                                                                  const float *xsum, float *c, int ldc, int r0,
-                                                                  int r1) {
-    int k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m), most = parts == 2 ? 1 : 2;
+__attribute__((target("avx2,avxvnni,fma"))) static void i8_rows256(const qmat *m, const i8_input *in, int M,
+                                                                  float *c, int ldc, int r0, int r1) {
+    const uint8_t *p = in->w;
+    int parts = in->parts, k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m), most = parts == 2 ? 1 : 2;
     long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
     const float *scales = (const float *)(p + blocks * bstride), *biases = scales + blocks * sstride;
     for (int i0 = 0; i0 < M; i0 += most) {
         int rows = M - i0 < most ? M - i0 : most;
-        const int8_t *x = xq + (long)i0 * parts * k;
-        const float *s = sx + (long)i0 * groups, *t = xsum + (long)i0 * groups;
+        const int8_t *x = in->xq + (long)i0 * parts * k;
+        const float *s = in->sx + (long)i0 * groups, *t = in->xsum + (long)i0 * groups;
         for (int r = r0; r < r1; r += 16) {
             int valid = r1 - r < 16 ? r1 - r : 16, b = r / 16;
             const uint8_t *wb = p + b * bstride;
@@ -1464,12 +1471,10 @@ static void i8_quantize_any(const qmat *m, int parts, int M, const float *a, lon
     (kernels() == 2 ? i8_quantize : i8_quantize256)(m, parts, M, a, lda, xq, sx, xsum);
 }
 
-static void i8_rows_any(const qmat *m, const uint8_t *p, int parts, int M, const int8_t *xq, const float *sx,
-                        const float *xsum, float *c, int ldc, int r0, int r1) {
-    (kernels() == 2 ? i8_rows : i8_rows256)(m, p, parts, M, xq, sx, xsum, c, ldc, r0, r1);
+static void i8_rows_any(const qmat *m, const i8_input *in, int M, float *c, int ldc, int r0, int r1) {
+    (kernels() == 2 ? i8_rows : i8_rows256)(m, in, M, c, ldc, r0, r1);
 }
 #endif
-
 
 /* Products by attached matrices from activations in `parts` 8-bit parts where the CPU has VNNI (1
  * or 2; 0: the float32 kernels everywhere; -1: as they are); the parts that run. */
@@ -1492,8 +1497,8 @@ int mlxpipe_qgemv_available(void) {
 }
 
 #ifdef X86_AVX512
-static void one_rows(const qmat *m, const float *xe, const float *xo, const float *xsum, const uint8_t *i8,
-                     const int8_t *xq, float *c);
+static void one_rows(const qmat *m, const float *xe, const float *xo, const float *xsum, const i8_input *i8,
+                     float *c);
 
 /* x's sum a group, summed in order, for the kernels that add bias * sum(x) a group: the 8-bit ones and the
  * AVX2 4-bit ones (the AVX-512 4-bit kernels add the bias into each weight and need none). */
@@ -1522,10 +1527,11 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
     float *x = scratch, *xe = x + k, *xo = xe + k / 2, *xsum = xo + k / 2;
     for (int j = 0; j < k; j++) x[j] = a[(long)j * inc_a];
 #ifdef X86_AVX512
-    const uint8_t *i8 = i8_weights(m);
-    if (i8) { /* x's bytes where xo was, their scales where xe was */
-        i8_quantize_any(m, i8_runs(), 1, x, k, (int8_t *)xo, xe, xsum);
-        one_rows(m, xe, xo, xsum, i8, (const int8_t *)xo, c);
+    int parts = i8_runs();
+    const uint8_t *packed = parts ? i8_weights(m) : 0;
+    if (packed) { /* x's bytes where xo was, their scales where xe was */
+        i8_quantize_any(m, parts, 1, x, k, (int8_t *)xo, xe, xsum);
+        one_rows(m, 0, 0, 0, &(i8_input){packed, (const int8_t *)xo, xe, xsum, parts}, c);
     } else {
     group_sums(m, x, xsum);
     if (m->bits == 4) {
@@ -1536,7 +1542,7 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
     } else {
         xe = x; /* the 8-bit kernels read x whole */
     }
-    one_rows(m, xe, xo, xsum, 0, 0, c);
+    one_rows(m, xe, xo, xsum, 0, c);
     }
 #else
     (void)xe, (void)xo, (void)xsum;
@@ -1596,10 +1602,7 @@ typedef struct {
     int blocks;
     const float *xe, *xo, *xsum; /* a one-row product's x as qgemv prepares it, when one_row */
     int one_row;
-    const uint8_t *i8; /* W repacked (i8_weights), or null: the float32 kernels */
-    const int8_t *xq;  /* then A's bytes, their scales sx and A's sums xsum a group (i8_quantize) */
-    const float *sx;
-    int parts;
+    i8_input i8; /* an integer product's operands (i8.w null: the float32 kernels) */
     atomic_int next, done, failed, sleeping;
 } job_t;
 
@@ -1621,7 +1624,7 @@ static int work(job_t *j) {
     int count = 0;
     for (int s; (s = atomic_fetch_add(&j->next, 1)) < j->stretches; count++) {
         int r0 = s * j->stretch, r1 = r0 + j->stretch < j->m->n ? r0 + j->stretch : j->m->n;
-        if (j->i8) i8_rows_any(j->m, j->i8, j->parts, j->M, j->xq, j->sx, j->xsum, j->c, j->ldc, r0, r1);
+        if (j->i8.w) i8_rows_any(j->m, &j->i8, j->M, j->c, j->ldc, r0, r1);
         else if (j->one_row && j->m->bits == 4) rows4(j->m, j->xe, j->xo, j->xsum, r0, r1, j->c);
         else if (j->one_row) rows8(j->m, j->xe, j->xsum, r0, r1, j->c);
         else if (j->at ? !(kernels() == 2 ? gemm_rows_avx512 : gemm_rows_avx2)(j->m, j->at, j->mpad, j->M, j->c,
@@ -1720,30 +1723,31 @@ enum { SHARED_MIN = 1 << 21 }; /* multiply-adds worth waking the helper for (a 5
 static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, float *c, int ldc) {
 #ifdef X86_AVX512
     enum { AMX_CHUNK = 256 }; /* rows of A packed at a time (a prompt's product can have thousands) */
-    const uint8_t *i8 = i8_weights(m);
-    int8_t *xq = 0;
-    float *sx = 0, *xsum = 0;
-    if (i8) { /* A quantized once for every stretch, of both threads */
+    int parts = i8_runs();
+    i8_input i8 = {parts ? i8_weights(m) : 0, 0, 0, 0, parts};
+    if (i8.w) { /* A quantized once for every stretch, of both threads */
         static __thread float *quantized;
         static __thread long quantized_len;
-        long groups = m->k / m->group, need = (long)M * (2 * groups + i8_runs() * m->k / 4);
+        long groups = m->k / m->group, need = (long)M * (2 * groups + parts * m->k / 4);
         if (need > quantized_len) {
             float *grown = realloc(quantized, need * sizeof(float));
             if (!grown) return 0;
             quantized = grown, quantized_len = need;
         }
-        sx = quantized, xsum = sx + M * groups, xq = (int8_t *)(xsum + M * groups);
-        i8_quantize_any(m, i8_runs(), M, a, lda, xq, sx, xsum);
+        float *sx = quantized, *xsum = sx + M * groups;
+        int8_t *xq = (int8_t *)(xsum + M * groups);
+        i8_quantize_any(m, parts, M, a, lda, xq, sx, xsum);
+        i8.xq = xq, i8.sx = sx, i8.xsum = xsum;
     }
-    if (!i8 && M > AMX_CHUNK && M >= amx_min_rows && m->group == 32) {
+    if (!i8.w && M > AMX_CHUNK && M >= amx_min_rows && m->group == 32) {
         for (int i0 = 0; i0 < M; i0 += AMX_CHUNK) /* a row's sums do not depend on the rows beside it */
             if (!qgemm(m, M - i0 < AMX_CHUNK ? M - i0 : AMX_CHUNK, a + (long)i0 * lda, lda, alpha, c + (long)i0 * ldc,
                        ldc))
                 return 0;
         return 1;
     }
-    int amx = !i8 && M >= amx_min_rows && m->group == 32;
-    int gemm = !i8 && !amx && M >= (kernels() == 2 ? gemm512_min_rows : GEMM_MIN_ROWS) && kernels() > 0;
+    int amx = !i8.w && M >= amx_min_rows && m->group == 32;
+    int gemm = !i8.w && !amx && M >= (kernels() == 2 ? gemm512_min_rows : GEMM_MIN_ROWS) && kernels() > 0;
     if (gemm && M > GEMM_CHUNK) { /* at stays in L2 (a prompt's product can have thousands of rows) */
         for (int i0 = 0; i0 < M; i0 += GEMM_CHUNK)
             if (!qgemm(m, M - i0 < GEMM_CHUNK ? M - i0 : GEMM_CHUNK, a + (long)i0 * lda, lda, alpha,
@@ -1785,7 +1789,7 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
         }
     }
     if (stretch < 1) stretch = 1;
-    if (i8) stretch = stretch < I8_W ? I8_W : stretch / I8_W * I8_W; /* whole tiles */
+    if (i8.w) stretch = stretch < I8_W ? I8_W : stretch / I8_W * I8_W; /* whole tiles */
     const uint8_t *xt = 0;
     const float *xs = 0;
     int blocks = (M + 15) / 16;
@@ -1815,7 +1819,7 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
     j->stretches = (n + stretch - 1) / stretch;
     j->one_row = 0;
     j->at = at, j->mpad = mpad;
-    j->i8 = i8, j->xq = xq, j->sx = sx, j->xsum = xsum, j->parts = i8_runs();
+    j->i8 = i8;
     /* two late helpers in a row: a VM's one-off delay does not cost a step's products on one thread */
     if (shared && run_shared(j)) late_in_row = 0;
     else if (shared && ++late_in_row >= 2) alone_for = ALONE, alone_spells++, late_in_row = 0;
@@ -2284,8 +2288,8 @@ void mlxpipe_qgemv_shared_min(long weights) {
 
 /* c = the rows of W times x, prepared by qgemv: stretches of rows on both threads when W is large and the
  * helper free. Each row's sum is computed as alone, by one thread: the numbers do not depend on the split. */
-static void one_rows(const qmat *m, const float *xe, const float *xo, const float *xsum, const uint8_t *i8,
-                     const int8_t *xq, float *c) {
+static void one_rows(const qmat *m, const float *xe, const float *xo, const float *xsum, const i8_input *i8,
+                     float *c) {
     int n = m->n;
     long weights = (long)n * m->k;
     int shared = qgemm_threads > 1 && weights >= one_row_min && now() >= one_alone_until &&
@@ -2297,7 +2301,7 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
     }
     if (!shared) {
         double start = now();
-        if (i8) i8_rows_any(m, i8, i8_runs(), 1, xq, xe, xsum, c, n, 0, n);
+        if (i8) i8_rows_any(m, i8, 1, c, n, 0, n);
         else if (m->bits == 4) rows4(m, xe, xo, xsum, 0, n, c);
         else rows8(m, xe, xsum, 0, n, c);
         double rate = weights / (now() - start + 1e-9);
@@ -2311,7 +2315,7 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
     if (i8) stretch = stretch < I8_W ? I8_W : stretch / I8_W * I8_W;
     job_t *j = &job;
     j->m = m, j->c = c, j->xe = xe, j->xo = xo, j->xsum = xsum, j->one_row = 1, j->xt = 0, j->at = 0;
-    j->i8 = i8, j->xq = xq, j->sx = xe, j->M = 1, j->ldc = n, j->parts = i8_runs();
+    j->i8 = i8 ? *i8 : (i8_input){0}, j->M = 1, j->ldc = n;
     j->stretch = stretch, j->stretches = (n + stretch - 1) / stretch;
     /* a helper that made the caller wait is left out for a while: beside a busy process it may get no core,
      * or lose it in a stretch (as the several-row products' rule) */
