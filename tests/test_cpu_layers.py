@@ -182,6 +182,56 @@ def test_a_records_attention_does_not_depend_on_its_batch() -> None:
     assert mx.array_equal(alone, batch[1:2]).item()
 
 
+@pytest.mark.skipif(not gemv.attention_available(), reason="gemv.c is not in front of the BLAS here")
+@pytest.mark.parametrize(
+    ("b", "heads", "kv", "positions"), [(1, 9, 3, 5), (3, 9, 3, 31), (64, 9, 3, 70), (5, 8, 2, 40)]
+)
+def test_attention_over_a_caches_buffers_is_attention_to_the_last_bit(
+    b: int, heads: int, kv: int, positions: int
+) -> None:
+    # One query a record over a KV cache just updated (the decode step): every (record, KV head) pair in
+    # one product reading the cache's buffers in place (with the helper at 64 records, and without), as
+    # attention() computes each pair; under each mask a decode step can have.
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    mx.random.seed(b + positions)
+    cache = BatchKVCache([(5 * i) % (positions - 2) for i in range(b)]) if b > 1 else KVCache()
+    first = (b, kv, positions - 1, 64)
+    cache.update_and_fetch(mx.random.normal(first), mx.random.normal(first))
+    queries = mx.random.normal((b, heads, 1, 64))
+    batch_mask = cache.make_mask(1) if b > 1 else None
+    keys, values = cache.update_and_fetch(mx.random.normal((b, kv, 1, 64)), mx.random.normal((b, kv, 1, 64)))
+    assert layers.cached_layout(cache, queries) == cache.keys.shape[2] > positions
+    masks = [None, "causal", batch_mask, mx.random.normal((b, heads, 1, positions))]
+    try:
+        for threads in (2, 1):
+            gemv.use_threads(threads)
+            for mask in masks:
+                calls = gemv.attention_calls()
+                cached = layers.attention_cached(queries, cache, keys.shape[2], 0.125, mask)
+                mx.eval(cached)
+                assert gemv.attention_calls() - calls == 2 * b * kv  # each pair's scores and weighted values
+                plain = layers.attention(queries, keys, values, 0.125, mask)
+                assert mx.array_equal(cached, plain).item(), (threads, mask)
+    finally:
+        gemv.use_threads(1)  # gemv.c's own default
+
+
+def test_attention_over_a_caches_buffers_only_where_it_can_read_them() -> None:
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    cache = KVCache()
+    queries = mx.zeros((1, 9, 1, 64))
+    assert layers.cached_layout(cache, queries) == 0  # nothing in it yet
+    cache.update_and_fetch(mx.zeros((1, 3, 4, 64)), mx.zeros((1, 3, 4, 64)))
+    assert layers.cached_layout(cache, queries) == cache.keys.shape[2]
+    assert layers.cached_layout(cache, mx.zeros((1, 9, 2, 64))) == 0  # several queries: a prompt's
+    assert layers.cached_layout(cache, queries.astype(mx.float16)) == 0
+    quantized = QuantizedKVCache()
+    quantized.update_and_fetch(mx.zeros((1, 3, 4, 64)), mx.zeros((1, 3, 4, 64)))
+    assert layers.cached_layout(quantized, queries) == 0
+
+
 class _Attention(nn.Module):
     """mlx-lm's Llama attention, as registered by the engine."""
 

@@ -1590,8 +1590,19 @@ static int qgemm_rows(const qmat *m, int M, const float *a, int lda, float *c, i
 /* One helper thread shares large products: both threads take stretches of W from a counter, so the caller
  * never waits for a helper that has not started (beside a busy process it may not get a core), only for a
  * stretch the helper has taken. The helper sleeps on a futex between products: it never spins. */
+/* Attention's products of many (record, KV head) pairs in one call (attention_batch): pair p's rows of a and c
+ * follow one another, its keys (or values) lie pair_stride floats after the pair before's. */
+typedef struct {
+    int softmax, rep, pairs, n, k, lda, ldb, ldc;
+    long pair_stride;
+    const float *a, *b;
+    float *c;
+} attn_t;
+static int attention_pairs(const attn_t *t, int p0, int p1);
+
 typedef struct {
     const qmat *m;
+    const attn_t *attn; /* attention's pairs, a stretch of them at a time, when not null */
     const float *a;
     float *c;
     int M, lda, ldc, stretch, stretches;
@@ -1623,6 +1634,13 @@ static void futex_wait_ms(atomic_int *word, int value, int ms) {
 static int work(job_t *j) {
     int count = 0;
     for (int s; (s = atomic_fetch_add(&j->next, 1)) < j->stretches; count++) {
+        if (j->attn) {
+            int p0 = s * j->stretch, p1 = p0 + j->stretch < j->attn->pairs ? p0 + j->stretch : j->attn->pairs;
+            if (!attention_pairs(j->attn, p0, p1)) atomic_store(&j->failed, 1);
+            atomic_fetch_add(&j->done, 1);
+            if (atomic_load(&j->sleeping)) futex(&j->done, FUTEX_WAKE_PRIVATE, 1);
+            continue;
+        }
         int r0 = s * j->stretch, r1 = r0 + j->stretch < j->m->n ? r0 + j->stretch : j->m->n;
         if (j->i8.w) i8_rows_any(j->m, &j->i8, j->M, j->c, j->ldc, r0, r1);
         else if (j->one_row && j->m->bits == 4) rows4(j->m, j->xe, j->xo, j->xsum, r0, r1, j->c);
@@ -1817,7 +1835,7 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
     }
     j->xt = xt, j->xs = xs, j->blocks = blocks;
     j->stretches = (n + stretch - 1) / stretch;
-    j->one_row = 0;
+    j->one_row = 0, j->attn = 0;
     j->at = at, j->mpad = mpad;
     j->i8 = i8;
     /* two late helpers in a row: a VM's one-off delay does not cost a step's products on one thread */
@@ -1849,6 +1867,7 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
  * its exp (Cephes' polynomial, mlx/backend/cpu/simd/math.h), the exps summed in order, each weight times
  * 1 / sum, then each output summed over the keys in order. */
 #define SCORES_ALPHA (-0x1p99f)
+enum { PREFETCH_AHEAD = 2 }; /* blocks ahead: 1, 2, 3 side by side, 2 the fastest */
 #define SOFTMAX_ALPHA (-0x1p100f)
 static long attention_calls;
 static int attention_portable; /* 1: attention's and SwiGLU's portable loops even where AVX2 runs (tests) */
@@ -2216,7 +2235,7 @@ static void attention_scores(int m, int n, int k, const float *a, int lda, const
     if (!attention_portable && kernels()) {
         if (kernels() == 2) scores_avx512(m, n, k, a, lda, b, ldb, c, ldc);
         else scores_avx2(m, n, k, a, lda, b, ldb, c, ldc);
-        attention_calls++;
+        __atomic_fetch_add(&attention_calls, 1, __ATOMIC_RELAXED);
         return;
     }
 #endif
@@ -2226,7 +2245,7 @@ static void attention_scores(int m, int n, int k, const float *a, int lda, const
             for (int d = 0; d < k; d++) s = fmaf(a[(long)i * lda + d], b[(long)j * ldb + d], s);
             c[(long)i * ldc + j] = s;
         }
-    attention_calls++;
+    __atomic_fetch_add(&attention_calls, 1, __ATOMIC_RELAXED);
 }
 
 /* c = softmax(a) b for row-major a (m x k), b (k x n), c (m x n); 0 when it cannot (no memory). */
@@ -2246,7 +2265,7 @@ static int attention_product(int m, int n, int k, const float *a, int lda, const
             if (wide) weighted_avx512(rows, n, k, e, k, b, ldb, c + (long)i * ldc, ldc);
             else weighted_avx2(rows, n, k, e, k, b, ldb, c + (long)i * ldc, ldc);
         }
-        attention_calls++;
+        __atomic_fetch_add(&attention_calls, 1, __ATOMIC_RELAXED);
         return 1;
     }
 #endif
@@ -2258,8 +2277,68 @@ static int attention_product(int m, int n, int k, const float *a, int lda, const
             c[(long)i * ldc + col] = s;
         }
     }
-    attention_calls++;
+    __atomic_fetch_add(&attention_calls, 1, __ATOMIC_RELAXED);
     return 1;
+}
+
+/* Pairs [p0, p1) of t; 0 when memory ran out. The block two pairs ahead is fetched meanwhile (prefetch_next). */
+static int attention_pairs(const attn_t *t, int p0, int p1) {
+    long bytes = (long)(t->softmax ? t->k : t->n) * t->ldb * sizeof(float);
+    for (int p = p0; p < p1; p++) {
+        const float *a = t->a + (long)p * t->rep * t->lda, *b = t->b + p * t->pair_stride;
+        float *c = t->c + (long)p * t->rep * t->ldc;
+#ifdef X86_AVX512
+        if (p + PREFETCH_AHEAD < p1)
+            for (long i = 0; i < bytes; i += 64)
+                _mm_prefetch((const char *)(b + PREFETCH_AHEAD * t->pair_stride) + i, _MM_HINT_T0);
+#else
+        (void)bytes;
+#endif
+        if (!t->softmax) attention_scores(t->rep, t->n, t->k, a, t->lda, b, t->ldb, c, t->ldc);
+        else if (!attention_product(t->rep, t->n, t->k, a, t->lda, b, t->ldb, c, t->ldc)) return 0;
+    }
+    return 1;
+}
+
+/* ATTENTION_ALPHA's tag: the exponent of 2^98, the mantissa's 23 bits the layout (layers.attention_cached):
+ * bit 0 which product (0 the scores, 1 softmax times values), bits 1-5 the query rows of a pair (rep: a KV
+ * head's query heads times the queries), bits 6-22 the KV cache's capacity in positions (b is the first pair's
+ * keys or values, a row per position, the next pair's `capacity` rows further on). */
+#define ATTENTION_ALPHA (-0x1p98f)
+enum { ATTENTION_SHARED_MIN = 1 << 19 }; /* multiply-adds worth the helper (~64 records' pairs of 40 keys) */
+
+/* One product of mlxpipe.cpu.layers.attention_cached: every pair's scores (or softmax times values) as the
+ * per-pair calls of attention() compute them, the pairs shared with the helper; 0 when it cannot. */
+static int attention_batch(float alpha, int tb, int m, int n, int k, const float *a, int lda, const float *b,
+                           int ldb, float *c, int ldc) {
+    uint32_t bits;
+    memcpy(&bits, &alpha, sizeof bits);
+    int softmax = bits & 1, rep = bits >> 1 & 31;
+    long capacity = bits >> 6 & 0x1FFFF;
+    if (rep < 1 || m % rep || capacity < (softmax ? k : n) || tb != (softmax ? NO_TRANS : TRANS)) return 0;
+    attn_t t = {softmax, rep, m / rep, n, k, lda, ldb, ldc, capacity * ldb, a, b, c};
+#ifdef X86_AVX512
+    int shared = qgemm_threads > 1 && t.pairs >= 4 && (long)m * n * k >= ATTENTION_SHARED_MIN;
+    if (shared && alone_for > 0) alone_for--, shared = 0;
+    shared = shared && !atomic_exchange(&job_busy, 1);
+    if (shared && !start_helper()) {
+        atomic_store(&job_busy, 0);
+        shared = 0;
+    }
+    if (shared) {
+        job_t *j = &job;
+        j->attn = &t, j->m = 0, j->one_row = 0;
+        j->stretch = t.pairs / 16 > 1 ? t.pairs / 16 : 1; /* about 8 stretches a thread, for balance */
+        j->stretches = (t.pairs + j->stretch - 1) / j->stretch;
+        if (run_shared(j)) late_in_row = 0;
+        else if (++late_in_row >= 2) alone_for = ALONE, alone_spells++, late_in_row = 0;
+        int failed = atomic_load(&j->failed);
+        j->attn = 0;
+        atomic_store(&job_busy, 0);
+        return !failed;
+    }
+#endif
+    return attention_pairs(&t, 0, t.pairs);
 }
 
 #ifdef X86_AVX512
@@ -2314,7 +2393,7 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
     stretch = stretch < 2 ? 2 : stretch & ~1;        /* whole pairs of rows, as the kernels take them */
     if (i8) stretch = stretch < I8_W ? I8_W : stretch / I8_W * I8_W;
     job_t *j = &job;
-    j->m = m, j->c = c, j->xe = xe, j->xo = xo, j->xsum = xsum, j->one_row = 1, j->xt = 0, j->at = 0;
+    j->m = m, j->c = c, j->xe = xe, j->xo = xo, j->xsum = xsum, j->one_row = 1, j->xt = 0, j->at = 0, j->attn = 0;
     j->i8 = i8 ? *i8 : (i8_input){0}, j->M = 1, j->ldc = n;
     j->stretch = stretch, j->stretches = (n + stretch - 1) / stretch;
     /* a helper that made the caller wait is left out for a while: beside a busy process it may get no core,
@@ -2399,7 +2478,6 @@ static void swiglu(int m, int n, float *c, int ldc) {
 /* mlx makes a batch's attention products one (record, KV head) at a time, each block of keys (or values) a
  * fixed stride after the one before: the block two calls ahead is fetched while this one is computed (a decode
  * step reads every record's KV cache from memory, and waiting for it was half of attention's time). */
-enum { PREFETCH_AHEAD = 2 }; /* blocks ahead: 1, 2, 3 side by side, 2 the fastest */
 
 static void prefetch_next(const float *b, long bytes) {
     static __thread const char *last;
@@ -2420,6 +2498,9 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
         swiglu(m, n, c, ldc);
         return;
     }
+    if (-alpha >= -ATTENTION_ALPHA && -alpha < -SCORES_ALPHA && order == ROW_MAJOR && ta == NO_TRANS &&
+        beta == 0.0f && attention_batch(alpha, tb, m, n, k, a, lda, b, ldb, c, ldc))
+        return;
     if (alpha == SCORES_ALPHA && order == ROW_MAJOR && ta == NO_TRANS && tb == TRANS && beta == 0.0f) {
         prefetch_next(b, (long)n * ldb * sizeof(float));
         attention_scores(m, n, k, a, lda, b, ldb, c, ldc);

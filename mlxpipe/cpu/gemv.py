@@ -51,6 +51,7 @@ from ..switches import setting, turned_off
 __all__ = [
     "AMX_ENV",
     "AMX_ROWS",
+    "ATTENTION_MAX_CAPACITY",
     "ENV",
     "INT8_ENV",
     "MAX_ROWS",
@@ -62,6 +63,7 @@ __all__ = [
     "SWIGLU_ALPHA",
     "attach",
     "attached",
+    "attention_alpha",
     "attention_available",
     "attention_calls",
     "detach",
@@ -95,6 +97,10 @@ FORWARDING = "one-row products go to sgemv"  # what install() returns once its c
 # a @ b.T with each score summed in one order, and softmax(a) @ b.
 SCORES_ALPHA = -(2.0**99)
 SOFTMAX_ALPHA = -(2.0**100)
+# Attention's two products for every (record, KV head) pair of a KV cache at once, the layout in the mantissa
+# (gemv.c's attention_batch): one call instead of one per pair, the pairs shared with the helper.
+_ATTENTION_ALPHA = 2.0**98
+ATTENTION_MAX_CAPACITY = (1 << 17) - 1  # positions of a KV cache's buffer the alpha can name
 # A product whose alpha is this is a fused gate-and-up projection: its first half becomes silu(gate) * up.
 SWIGLU_ALPHA = -(2.0**101)
 MAX_ROWS = 1 << 30  # every product by an attached matrix: a row's sums never depend on the batch or prompt
@@ -300,6 +306,14 @@ def int8_activations() -> int:
     """The 8-bit parts products by attached matrices split each activation into here (``MLXPIPE_INT8``; 0:
     none, the float32 kernels, as on a CPU without VNNI)."""
     return 0 if _shim is None else int(_shim.mlxpipe_qgemm_int8(-1))
+
+
+def attention_alpha(softmax: bool, rep: int, capacity: int) -> float:
+    """The alpha that asks for attention's scores (``softmax`` False: ``a @ b.T``) or its softmax times the
+    values of every (record, KV head) pair in one product: ``rep`` rows of ``a`` a pair (1-31), pair p's
+    keys or values ``p * capacity`` rows after the first pair's in ``b`` (at most ATTENTION_MAX_CAPACITY)."""
+    payload = int(softmax) | rep << 1 | capacity << 6
+    return -_ATTENTION_ALPHA * (1 + payload / 2.0**23)
 
 
 def attention_available() -> bool:

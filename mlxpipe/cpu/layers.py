@@ -238,6 +238,57 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 
 _ZERO = mx.zeros((1,), dtype=mx.float32)
+_CACHES: tuple[type, ...] | None = None  # KV caches whose buffer attention_cached can read (set on first use)
+CACHED_ATTENTION = True  # off only in bench/batch_steps.py, to measure attention() beside attention_cached()
+
+
+def cached_layout(cache: Any, queries: mx.array) -> int:
+    """The capacity (positions) of ``cache``'s buffers when :func:`attention_cached` can read them: a plain
+    or batched float32 KV cache (mlx-lm's ``KVCache``, ``BatchKVCache``) just updated, one query a record;
+    else 0."""
+    global _CACHES
+    if not CACHED_ATTENTION:
+        return 0
+    if _CACHES is None:
+        from mlx_lm.models.cache import BatchKVCache, KVCache
+
+        _CACHES = (KVCache, BatchKVCache)
+    b, heads, length, _ = queries.shape
+    if type(cache) not in _CACHES or length != 1 or cache.keys is None or queries.dtype != mx.float32:
+        return 0
+    keys = cache.keys
+    kv_heads, capacity = keys.shape[1], keys.shape[2]
+    if keys.dtype != mx.float32 or keys.shape[0] != b or heads % kv_heads or heads // kv_heads > 31:
+        return 0
+    return capacity if capacity <= gemv.ATTENTION_MAX_CAPACITY else 0
+
+
+def attention_cached(queries: mx.array, cache: Any, positions: int, scale: float, mask: Any) -> mx.array:
+    """:func:`attention` of one query a record over the first ``positions`` of ``cache``'s keys and values
+    (``cached_layout`` said it can), the same numbers: each product one call for every (record, KV head) pair,
+    reading the cache's buffers in place, where mlx makes one per pair (~8 us each at 64 records) and gemv.c
+    shares them with its helper."""
+    b, heads, _, dim = queries.shape
+    kv_heads, capacity = cache.keys.shape[1], cache.keys.shape[2]
+    rep = heads // kv_heads
+    q = (queries * scale).reshape(b * heads, dim)  # pair (record, KV head) p: rows p * rep ... p * rep + rep
+    # the buffers from their start, a row a position: pair p's keys begin p * capacity rows in (no copy)
+    keys = mx.as_strided(cache.keys, (positions, dim), (dim, 1))
+    values = mx.as_strided(cache.values, (positions, dim), (dim, 1))
+    scores = mx.addmm(_ZERO, q, keys.T, alpha=gemv.attention_alpha(False, rep, capacity), beta=0.0)
+    if mask is not None:
+        if isinstance(mask, str):  # "causal" with one query: the last position sees them all
+            mask = None
+        elif mask.ndim >= 3 and mask.shape[-3] == heads:
+            mask = mask.reshape(*mask.shape[:-3], kv_heads, rep, *mask.shape[-2:])
+        elif mask.ndim >= 3:
+            mask = mx.expand_dims(mask, -3)
+    if mask is not None:
+        s5 = scores.reshape(b, kv_heads, rep, 1, positions)
+        s5 = mx.where(mask, s5, _LOWEST) if mask.dtype == mx.bool_ else s5 + mask.astype(mx.float32)
+        scores = s5.reshape(b * heads, positions)
+    out = mx.addmm(_ZERO, scores, values, alpha=gemv.attention_alpha(True, rep, capacity), beta=0.0)
+    return out.reshape(b, heads, 1, dim)
 
 
 def _subclass(base: type, prefix: str, call: Callable[..., Any], doc: str) -> type:
@@ -319,7 +370,9 @@ def _fast_attention(base: type, fused: bool, cpu_attention: bool) -> type:
             queries, keys = _rope(self, queries, cache, length), _rope(self, keys, cache, length)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-        if cpu_attention and x.dtype == mx.float32:
+        if cpu_attention and x.dtype == mx.float32 and cache is not None and cached_layout(cache, queries):
+            out = attention_cached(queries, cache, keys.shape[2], self.scale, mask)
+        elif cpu_attention and x.dtype == mx.float32:
             out = attention(queries, keys, values, self.scale, mask)
         else:
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
