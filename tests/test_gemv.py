@@ -649,6 +649,59 @@ def test_int8_products_sum_integers_and_a_rows_numbers_depend_on_it_alone(openbl
         shim.mlxpipe_qgemm_threads(1)
 
 
+def test_float16_scales_kept_in_16_bits_give_the_same_numbers(openblas: Any) -> None:
+    # A GGUF file's scales and biases are float16 values: the integer products' repacked copy keeps them in 16
+    # bits (a sixth fewer bytes a weight to read), and every product, one row or many, AVX-512's and AVX2's,
+    # is the one the 32-bit copy gives, to the bit. A matrix with a scale float16 cannot hold keeps 32.
+    shim = _own_shim(openblas, quantized=True)
+    if shim.mlxpipe_qgemm_int8(2) != 2:
+        pytest.skip("no VNNI on this CPU")
+    shim.mlxpipe_qgemm_int8_halves.restype = ctypes.c_long
+    shim.mlxpipe_qgemv_avx2(1)
+    narrow = shim.mlxpipe_qgemm_int8(2) == 2  # AVX-VNNI beside AVX-512's
+    shim.mlxpipe_qgemv_avx2(0)
+    rng = np.random.default_rng(37)
+    shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
+    try:
+        for (n, k, bits, group), parts in itertools.product(shapes, [1, 2]):
+            shim.mlxpipe_qgemm_int8(parts)
+            w, packed, scales, biases = _quantized(rng, n, k, bits, group)
+            scales[...], biases[...] = scales.astype(np.float16), biases.astype(np.float16)
+            x = rng.standard_normal((64, k)).astype(np.float32)
+            got = {}
+            for half, avx2 in itertools.product([0, 1], [0, 1] if narrow else [0]):
+                shim.mlxpipe_qgemm_int8_half(half)
+                shim.mlxpipe_qgemv_avx2(avx2)
+                held = shim.mlxpipe_qgemm_int8_halves()
+                ptr = ctypes.c_void_p
+                assert shim.mlxpipe_qgemv_register(
+                    ptr(w.ctypes.data), n, k, bits, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
+                    ptr(biases.ctypes.data),
+                )  # fmt: skip
+                rows = [_product(shim, w, x[:m])[0] for m in (2, 17, 64)]
+                one = np.zeros((1, n), np.float32)
+                shim.cblas_sgemm(
+                    ROW_MAJOR, NO_TRANS, TRANS, 1, n, k, ctypes.c_float(1.0), ptr(x.ctypes.data), k,
+                    ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(one.ctypes.data), n,
+                )  # fmt: skip
+                assert shim.mlxpipe_qgemm_int8_halves() - held == half  # this copy, in 16 bits or not
+                shim.mlxpipe_qgemv_unregister(ptr(w.ctypes.data))
+                shim.mlxpipe_qgemv_release()
+                got[half, avx2] = [one, *rows]
+            for key, products in got.items():
+                same = all((a == b).all() for a, b in zip(products, got[0, 0], strict=True))
+                assert same, (n, k, bits, key)
+        shim.mlxpipe_qgemm_int8_half(1)
+        held = shim.mlxpipe_qgemm_int8_halves()
+        w, *_alive = _registered(shim, rng, 64, 256, 4)  # float32 scales: not float16 values
+        assert _product(shim, w, x[:4, :256])[1]
+        assert shim.mlxpipe_qgemm_int8_halves() == held
+    finally:
+        shim.mlxpipe_qgemm_int8_half(1)
+        shim.mlxpipe_qgemv_avx2(0)
+        shim.mlxpipe_qgemm_int8(0)
+
+
 def test_avx_vnni_products_are_the_avx512_ones_to_the_last_bit(openblas: Any) -> None:
     # A CPU with AVX-VNNI but not AVX-512 (AVX2 and 256-bit VNNI) takes the same integer products, 8 lanes a
     # register: the same numbers as AVX-512's (tried where the CPU has both).

@@ -54,6 +54,7 @@ typedef struct {
     const uint8_t *q;                   /* n x k values of `bits` bits, packed low bits first */
     const float *scales, *biases;       /* n x (k / group) */
     uint8_t *i8;                        /* W repacked for 8-bit activations, once used (i8_weights) */
+    int i8_half;                        /* its scales and biases in 16 bits (float16 values all: GGUF's) */
 } qmat;
 
 enum { TABLE = 4096 }; /* open addressing, power of two, far more than the matrices of one model */
@@ -80,7 +81,7 @@ int mlxpipe_qgemv_register(const float *w, int n, int k, int bits, int group, co
     if (!table[i].w && dead != TABLE) i = dead;
     else if (!table[i].w) registered++;
     free(table[i].i8);
-    table[i] = (qmat){w, n, k, bits, group, (const uint8_t *)q, scales, biases, 0};
+    table[i] = (qmat){w, n, k, bits, group, (const uint8_t *)q, scales, biases, 0, 0};
     return 1;
 }
 
@@ -101,6 +102,21 @@ void mlxpipe_qgemv_release(void) {
 }
 
 long mlxpipe_qgemv_calls(void) { return qgemv_calls; }
+
+static int i8_half_allowed = 1;
+/* Whether repacked copies keep float16 scales and biases in 16 bits (1, the default) or in 32 (0, tests; -1
+ * only asks); the setting. Copies already made keep theirs. */
+int mlxpipe_qgemm_int8_half(int on) {
+    if (on >= 0) i8_half_allowed = on;
+    return i8_half_allowed;
+}
+
+/* Live matrices whose repacked copy keeps its scales and biases in 16 bits */
+long mlxpipe_qgemm_int8_halves(void) {
+    long count = 0;
+    for (unsigned i = 0; i < TABLE; i++) count += table[i].n > 0 && table[i].i8 && table[i].i8_half;
+    return count;
+}
 
 static const qmat *lookup(const float *w, int n, int k) {
     if (!registered) return 0;
@@ -1106,15 +1122,36 @@ static uint32_t nibbles_apart(uint32_t x) {
     return (x & 0xF00FF00Fu) | ((x << 4) & 0x0F000F00u) | ((x >> 4) & 0x00F000F0u);
 }
 
-/* W repacked (rows past n zeros), then per block of 16 rows and group the 16 scales, then the biases alike. */
+/* Whether every scale and bias of m is a float16 value (a GGUF file's are): then the repacked copy keeps them in
+ * 16 bits, the same numbers in a sixth fewer bytes a weight (a one-row product reads W from memory). */
+__attribute__((target("f16c"))) static int i8_halves(const qmat *m) {
+    if (!i8_half_allowed) return 0;
+    long count = (long)m->n * (m->k / m->group);
+    for (long i = 0; i < count; i++) {
+        float s = m->scales[i], b = m->biases[i];
+        if (_cvtsh_ss(_cvtss_sh(s, 0)) != s || _cvtsh_ss(_cvtss_sh(b, 0)) != b) return 0;
+    }
+    return 1;
+}
+
+/* Scale or bias i of a repacked copy's 16 (float16) or 32-bit (float32) ones */
+__attribute__((target("f16c"))) static void i8_put(uint8_t *to, long i, int half, float v) {
+    if (half) ((uint16_t *)to)[i] = _cvtss_sh(v, 0);
+    else ((float *)to)[i] = v;
+}
+
+/* W repacked (rows past n zeros), then per block of 16 rows and group the 16 scales, then the biases alike
+ * (in 16 bits where i8_halves, setting m->i8_half: racing packers of m set it alike). */
 static uint8_t *i8_pack(const qmat *m) {
     int n = m->n, groups = m->k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m);
     long words = (long)m->k * m->bits / 32, wbytes = (long)blocks * groups * chunks * 64;
     long floats = (long)blocks * groups * 16;
-    uint8_t *p = aligned_alloc(64, wbytes + 2 * floats * sizeof(float));
+    int half = i8_halves(m);
+    uint8_t *p = aligned_alloc(64, wbytes + 2 * floats * (half ? 2 : 4));
     if (!p) return 0;
+    __atomic_store_n(&((qmat *)m)->i8_half, half, __ATOMIC_RELAXED); /* published with p (i8_weights) */
     uint32_t *w = (uint32_t *)p;
-    float *sc = (float *)(p + wbytes), *bi = sc + floats;
+    uint8_t *sc = p + wbytes, *bi = sc + floats * (half ? 2 : 4);
     for (int b = 0; b < blocks; b++)
         for (int lane = 0; lane < 16; lane++) {
             long r = (long)b * 16 + lane;
@@ -1124,8 +1161,8 @@ static uint8_t *i8_pack(const qmat *m) {
                 w[((long)b * groups * chunks + wd) * 16 + lane] = m->bits == 4 ? nibbles_apart(v) : v;
             }
             for (int g = 0; g < groups; g++) {
-                sc[((long)b * groups + g) * 16 + lane] = r < n ? m->scales[r * groups + g] : 0;
-                bi[((long)b * groups + g) * 16 + lane] = r < n ? m->biases[r * groups + g] : 0;
+                i8_put(sc, ((long)b * groups + g) * 16 + lane, half, r < n ? m->scales[r * groups + g] : 0);
+                i8_put(bi, ((long)b * groups + g) * 16 + lane, half, r < n ? m->biases[r * groups + g] : 0);
             }
         }
     return p;
@@ -1239,12 +1276,18 @@ __attribute__((target("avx2,fma"))) static void i8_quantize256(const qmat *m, in
         }
 }
 
+/* 16 scales (or biases) from element i of a repacked copy's, 16- or 32-bit (`half` in scope) */
+#define I8_SCALES512(p, i)                                                                                    \
+    (half ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((p) + 2 * (long)(i))))                      \
+          : _mm512_load_ps((const float *)(p) + (i)))
+
 /* 32 rows of W (two blocks of 16, w and w + bstride) by R rows of A (x, each row `parts` parts of k bytes):
  * c[i][0..32) under the masks. CH: W's registers a group when a constant (groups of 32), else 0 (chunks). */
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static inline void
 i8_tile(const int R, const int bits, const int P, const int CH, int groups, int chunks, const uint8_t *w,
-        long bstride, const float *sc, const float *bi, long sstride, const int8_t *xq, int k, int group,
-        const float *sx, const float *xsum, float *c, int ldc, __mmask16 m0, __mmask16 m1) {
+        long bstride, const uint8_t *sc, const uint8_t *bi, long sstride, int half, const int8_t *xq, int k,
+        int group, const float *sx, const float *xsum, float *c, int ldc, __mmask16 m0, __mmask16 m1) {
+    const int es = half ? 2 : 4; /* bytes a scale or bias */
     const __m512i low = _mm512_set1_epi8(15);
     const int ch = CH ? CH : chunks, step = bits == 4 ? 8 : 4; /* x's bytes a register of W takes */
     const long row = (long)P * k;
@@ -1258,10 +1301,10 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
         /* W read from memory at a single row's speed outruns the CPU's own prefetching (as the one-row
          * kernels'). The tile's two blocks lie one after the other, read side by side: the bytes ahead are
          * fetched as one stream, two lines a step; scales and biases alike, a group a step. */
-        const char *ahead = (const char *)sc + I8_AHEAD / ch + g * 128;
+        const char *ahead = (const char *)sc + (I8_AHEAD / ch + g * 128) / 4 * es;
         _mm_prefetch(ahead, _MM_HINT_T0);
         _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        ahead = (const char *)bi + I8_AHEAD / ch + g * 128;
+        ahead = (const char *)bi + (I8_AHEAD / ch + g * 128) / 4 * es;
         _mm_prefetch(ahead, _MM_HINT_T0);
         _mm_prefetch(ahead + 64, _MM_HINT_T0);
         _Pragma("GCC unroll 8") for (int cc = 0; cc < ch; cc++) {
@@ -1292,8 +1335,8 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
                 }
             }
         }
-        __m512 s0 = _mm512_load_ps(sc + g * 16), s1 = _mm512_load_ps(sc + sstride + g * 16);
-        __m512 b0 = _mm512_load_ps(bi + g * 16), b1 = _mm512_load_ps(bi + sstride + g * 16);
+        __m512 s0 = I8_SCALES512(sc, g * 16), s1 = I8_SCALES512(sc, sstride + g * 16);
+        __m512 b0 = I8_SCALES512(bi, g * 16), b1 = I8_SCALES512(bi, sstride + g * 16);
         const __m512 second = _mm512_set1_ps(1.0f / 256);
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
             __m512 scale = _mm512_set1_ps(sx[(long)i * groups + g]), sum = _mm512_set1_ps(xsum[(long)i * groups + g]);
@@ -1316,13 +1359,13 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
 #define I8_TILE(R_, P_)                                                                                       \
     do {                                                                                                      \
         if (m->bits == 4 && m->group == 32)                                                                   \
-            i8_tile(R_, 4, P_, 4, groups, chunks, wb, bstride, sc, bi, sstride, x, k, 32, s, t, cr, ldc, m0, m1); \
+            i8_tile(R_, 4, P_, 4, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, 32, s, t, cr, ldc, m0, m1); \
         else if (m->bits == 4)                                                                                \
-            i8_tile(R_, 4, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, x, k, m->group, s, t, cr, ldc, m0, m1); \
+            i8_tile(R_, 4, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
         else if (m->group == 32)                                                                              \
-            i8_tile(R_, 8, P_, 8, groups, chunks, wb, bstride, sc, bi, sstride, x, k, 32, s, t, cr, ldc, m0, m1); \
+            i8_tile(R_, 8, P_, 8, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, 32, s, t, cr, ldc, m0, m1); \
         else                                                                                                  \
-            i8_tile(R_, 8, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, x, k, m->group, s, t, cr, ldc, m0, m1); \
+            i8_tile(R_, 8, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
     } while (0)
 
 /* Rows [r0, r1) of c (r0 a multiple of 32) from M rows of A: every 8 rows of A (4 with two parts: the sums'
@@ -1333,7 +1376,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
     const uint8_t *p = in->w;
     int parts = in->parts, k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m), most = parts == 2 ? 4 : 8;
     long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
-    const float *scales = (const float *)(p + blocks * bstride), *biases = scales + blocks * sstride;
+    int half = __atomic_load_n(&m->i8_half, __ATOMIC_RELAXED), es = half ? 2 : 4;
+    const uint8_t *scales = p + blocks * bstride, *biases = scales + blocks * sstride * es;
     for (int i0 = 0; i0 < M; i0 += most) {
         int rows = M - i0 < most ? M - i0 : most;
         const int8_t *x = in->xq + (long)i0 * parts * k;
@@ -1343,7 +1387,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
             __mmask16 m0 = valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1);
             __mmask16 m1 = valid >= 32 ? 0xFFFF : valid > 16 ? (__mmask16)((1u << (valid - 16)) - 1) : 0;
             const uint8_t *wb = p + b * bstride;
-            const float *sc = scales + b * sstride, *bi = biases + b * sstride;
+            const uint8_t *sc = scales + b * sstride * es, *bi = biases + b * sstride * es;
             float *cr = c + (long)i0 * ldc + r;
             switch (parts * 16 + rows) { /* a constant count of rows: their sums stay in registers */
             case 24: I8_TILE(8, 1); break;
@@ -1362,12 +1406,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
         }
     }
 }
+/* 8 scales (or biases) from element i of a repacked copy's, 16- or 32-bit (`half` in scope) */
+#define I8_SCALES256(p, i)                                                                                    \
+    (half ? _mm256_cvtph_ps(_mm_load_si128((const __m128i *)((p) + 2 * (long)(i))))                         \
+          : _mm256_load_ps((const float *)(p) + (i)))
+
 /* i8_tile with AVX-VNNI (an AVX2 CPU with VNNI): one block of 16 rows of W, as two registers of 8 (a packed
  * register's halves), by R rows of A; the same operations lane by lane, so the same numbers. */
-__attribute__((target("avx2,avxvnni,fma"), always_inline)) static inline void
+__attribute__((target("avx2,avxvnni,fma,f16c"), always_inline)) static inline void
 i8_tile256(const int R, const int bits, const int P, const int CH, int groups, int chunks, const uint8_t *w,
-           const float *sc, const float *bi, const int8_t *xq, int k, int group, const float *sx,
+           const uint8_t *sc, const uint8_t *bi, int half, const int8_t *xq, int k, int group, const float *sx,
            const float *xsum, float *c, int ldc, int valid) {
+    const int es = half ? 2 : 4;
     const __m256i low = _mm256_set1_epi8(15);
     const int ch = CH ? CH : chunks, step = bits == 4 ? 8 : 4;
     const long row = (long)P * k;
@@ -1378,8 +1428,8 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) d0[i] = d1[i] = e0[i] = e1[i] = _mm256_setzero_si256();
         const uint8_t *wg = w + (long)g * ch * 64;
         const int8_t *xg = xq + (long)g * group;
-        _mm_prefetch((const char *)sc + I8_AHEAD / ch + g * 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)bi + I8_AHEAD / ch + g * 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)sc + (I8_AHEAD / ch + g * 64) / 4 * es, _MM_HINT_T0);
+        _mm_prefetch((const char *)bi + (I8_AHEAD / ch + g * 64) / 4 * es, _MM_HINT_T0);
         _Pragma("GCC unroll 8") for (int cc = 0; cc < ch; cc++) {
             _mm_prefetch((const char *)wg + I8_AHEAD + cc * 64, _MM_HINT_T0);
             __m256i v0 = _mm256_load_si256((const __m256i *)(wg + cc * 64));
@@ -1407,8 +1457,8 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
                 }
             }
         }
-        __m256 s0 = _mm256_load_ps(sc + g * 16), s1 = _mm256_load_ps(sc + g * 16 + 8);
-        __m256 b0 = _mm256_load_ps(bi + g * 16), b1 = _mm256_load_ps(bi + g * 16 + 8);
+        __m256 s0 = I8_SCALES256(sc, g * 16), s1 = I8_SCALES256(sc, g * 16 + 8);
+        __m256 b0 = I8_SCALES256(bi, g * 16), b1 = I8_SCALES256(bi, g * 16 + 8);
         const __m256 second = _mm256_set1_ps(1.0f / 256);
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
             __m256 scale = _mm256_set1_ps(sx[(long)i * groups + g]), sum = _mm256_set1_ps(xsum[(long)i * groups + g]);
@@ -1433,22 +1483,23 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
 #define I8_TILE256(R_, P_)                                                                                    \
     do {                                                                                                      \
         if (m->bits == 4 && m->group == 32)                                                                   \
-            i8_tile256(R_, 4, P_, 4, groups, chunks, wb, sc, bi, x, k, 32, s, t, cr, ldc, valid);             \
+            i8_tile256(R_, 4, P_, 4, groups, chunks, wb, sc, bi, half, x, k, 32, s, t, cr, ldc, valid);             \
         else if (m->bits == 4)                                                                                \
-            i8_tile256(R_, 4, P_, 0, groups, chunks, wb, sc, bi, x, k, m->group, s, t, cr, ldc, valid);       \
+            i8_tile256(R_, 4, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
         else if (m->group == 32)                                                                              \
-            i8_tile256(R_, 8, P_, 8, groups, chunks, wb, sc, bi, x, k, 32, s, t, cr, ldc, valid);             \
+            i8_tile256(R_, 8, P_, 8, groups, chunks, wb, sc, bi, half, x, k, 32, s, t, cr, ldc, valid);             \
         else                                                                                                  \
-            i8_tile256(R_, 8, P_, 0, groups, chunks, wb, sc, bi, x, k, m->group, s, t, cr, ldc, valid);       \
+            i8_tile256(R_, 8, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
     } while (0)
 
 /* i8_rows with AVX-VNNI: 16 rows of W a tile, 2 rows of A (1 with two parts: AVX2 has 16 registers). */
-__attribute__((target("avx2,avxvnni,fma"))) static void i8_rows256(const qmat *m, const i8_input *in, int M,
+__attribute__((target("avx2,avxvnni,fma,f16c"))) static void i8_rows256(const qmat *m, const i8_input *in, int M,
                                                                   float *c, int ldc, int r0, int r1) {
     const uint8_t *p = in->w;
     int parts = in->parts, k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m), most = parts == 2 ? 1 : 2;
     long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
-    const float *scales = (const float *)(p + blocks * bstride), *biases = scales + blocks * sstride;
+    int half = __atomic_load_n(&m->i8_half, __ATOMIC_RELAXED), es = half ? 2 : 4;
+    const uint8_t *scales = p + blocks * bstride, *biases = scales + blocks * sstride * es;
     for (int i0 = 0; i0 < M; i0 += most) {
         int rows = M - i0 < most ? M - i0 : most;
         const int8_t *x = in->xq + (long)i0 * parts * k;
@@ -1456,7 +1507,7 @@ __attribute__((target("avx2,avxvnni,fma"))) static void i8_rows256(const qmat *m
         for (int r = r0; r < r1; r += 16) {
             int valid = r1 - r < 16 ? r1 - r : 16, b = r / 16;
             const uint8_t *wb = p + b * bstride;
-            const float *sc = scales + b * sstride, *bi = biases + b * sstride;
+            const uint8_t *sc = scales + b * sstride * es, *bi = biases + b * sstride * es;
             float *cr = c + (long)i0 * ldc + r;
             if (parts == 2) I8_TILE256(1, 2);
             else if (rows == 2) I8_TILE256(2, 1);
