@@ -238,7 +238,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 
 _ZERO = mx.zeros((1,), dtype=mx.float32)
-_CACHES: tuple[type, ...] | None = None  # KV caches whose buffer attention_cached can read (set on first use)
+_CACHES = {("mlx_lm.models.cache", "KVCache"), ("mlx_lm.models.cache", "BatchKVCache")}  # attention_cached's
 CACHED_ATTENTION = True  # off only in bench/batch_steps.py, to measure attention() beside attention_cached()
 
 
@@ -246,15 +246,16 @@ def cached_layout(cache: Any, queries: mx.array) -> int:
     """The capacity (positions) of ``cache``'s buffers when :func:`attention_cached` can read them: a plain
     or batched float32 KV cache (mlx-lm's ``KVCache``, ``BatchKVCache``) just updated, one query a record;
     else 0."""
-    global _CACHES
     if not CACHED_ATTENTION:
         return 0
-    if _CACHES is None:
-        from mlx_lm.models.cache import BatchKVCache, KVCache
-
-        _CACHES = (KVCache, BatchKVCache)
     b, heads, length, _ = queries.shape
-    if type(cache) not in _CACHES or length != 1 or cache.keys is None or queries.dtype != mx.float32:
+    kind = type(cache)  # by name: this room does not import mlx-lm (ARCHITECTURE.md)
+    if (
+        (kind.__module__, kind.__name__) not in _CACHES
+        or length != 1
+        or cache.keys is None
+        or queries.dtype != mx.float32
+    ):
         return 0
     keys = cache.keys
     kv_heads, capacity = keys.shape[1], keys.shape[2]
