@@ -1171,6 +1171,7 @@ static uint8_t *i8_pack(const qmat *m) {
 /* m's repacked form, made on first use (two threads may race to make it: one keeps its copy); 0 when memory
  * ran out. */
 static const uint8_t *i8_weights(const qmat *m) {
+    if (m->group > 256) return 0; /* a group's two parts' integer sums must stay below 2^31 (the tiles) */
     qmat *e = (qmat *)m;
     uint8_t *p = __atomic_load_n(&e->i8, __ATOMIC_ACQUIRE);
     if (p) return p;
@@ -1337,13 +1338,16 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
         }
         __m512 s0 = I8_SCALES512(sc, g * 16), s1 = I8_SCALES512(sc, sstride + g * 16);
         __m512 b0 = I8_SCALES512(bi, g * 16), b1 = I8_SCALES512(bi, sstride + g * 16);
-        const __m512 second = _mm512_set1_ps(1.0f / 256);
+        if (P == 2) { /* the sums as integers d * 256 + e (below 2^31 up to groups of 256): W's scale / 256 */
+            const __m512 fine = _mm512_set1_ps(1.0f / 256);
+            s0 = _mm512_mul_ps(s0, fine), s1 = _mm512_mul_ps(s1, fine);
+        }
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
             __m512 scale = _mm512_set1_ps(sx[(long)i * groups + g]), sum = _mm512_set1_ps(xsum[(long)i * groups + g]);
             __m512 t0 = _mm512_cvtepi32_ps(d0[i]), t1 = _mm512_cvtepi32_ps(d1[i]);
             if (P == 2) {
-                t0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e0[i]), second, t0);
-                t1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e1[i]), second, t1);
+                t0 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(d0[i], 8), e0[i]));
+                t1 = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(d1[i], 8), e1[i]));
             }
             f0[i] = _mm512_fmadd_ps(b0, sum, _mm512_fmadd_ps(t0, _mm512_mul_ps(s0, scale), f0[i]));
             f1[i] = _mm512_fmadd_ps(b1, sum, _mm512_fmadd_ps(t1, _mm512_mul_ps(s1, scale), f1[i]));
@@ -1459,13 +1463,16 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
         }
         __m256 s0 = I8_SCALES256(sc, g * 16), s1 = I8_SCALES256(sc, g * 16 + 8);
         __m256 b0 = I8_SCALES256(bi, g * 16), b1 = I8_SCALES256(bi, g * 16 + 8);
-        const __m256 second = _mm256_set1_ps(1.0f / 256);
+        if (P == 2) {
+            const __m256 fine = _mm256_set1_ps(1.0f / 256);
+            s0 = _mm256_mul_ps(s0, fine), s1 = _mm256_mul_ps(s1, fine);
+        }
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
             __m256 scale = _mm256_set1_ps(sx[(long)i * groups + g]), sum = _mm256_set1_ps(xsum[(long)i * groups + g]);
             __m256 t0 = _mm256_cvtepi32_ps(d0[i]), t1 = _mm256_cvtepi32_ps(d1[i]);
             if (P == 2) {
-                t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e0[i]), second, t0);
-                t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e1[i]), second, t1);
+                t0 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(d0[i], 8), e0[i]));
+                t1 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(d1[i], 8), e1[i]));
             }
             f0[i] = _mm256_fmadd_ps(b0, sum, _mm256_fmadd_ps(t0, _mm256_mul_ps(s0, scale), f0[i]));
             f1[i] = _mm256_fmadd_ps(b1, sum, _mm256_fmadd_ps(t1, _mm256_mul_ps(s1, scale), f1[i]));
