@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import itertools
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -236,6 +237,22 @@ def _failing_compiler(folder: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="a shell script as the compiler")
+def test_the_library_builds_without_its_x86_kernels(tmp_path: Path) -> None:
+    # On another CPU (Linux on ARM) gemv.c is its portable part alone (forwarding, attention's loops): it must
+    # compile there too, without a warning, or mlx would lose the BLAS forwarding with the kernels.
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    source = (Path(gemv.__file__).parent / "gemv.c").read_text()
+    guard = "#if defined(__x86_64__) && defined(__GNUC__)"
+    assert source.count(guard) == 1
+    portable = tmp_path / "gemv_portable.c"
+    portable.write_text(source.replace(guard, "#if 0"))
+    command = [cc, "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-o", str(tmp_path / "p.so"), str(portable)]
+    done = subprocess.run([*command, "-lm"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_failed_build_is_remembered_per_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cc, runs = _failing_compiler(tmp_path)

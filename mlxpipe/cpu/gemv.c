@@ -1615,6 +1615,16 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
 static long qgemm_calls;
 long mlxpipe_qgemm_calls(void) { return qgemm_calls; }
 
+/* Attention's products of many (record, KV head) pairs in one call (attention_batch): pair p's rows of a and c
+ * follow one another, its keys (or values) lie pair_stride floats after the pair before's. */
+typedef struct {
+    int softmax, rep, pairs, n, k, lda, ldb, ldc;
+    long pair_stride;
+    const float *a, *b;
+    float *c;
+} attn_t;
+static int attention_pairs(const attn_t *t, int p0, int p1);
+
 #ifdef X86_AVX512
 /* Rows [r0, r1) of c: every block of MB rows of A against that stretch of W (kept in L2 meanwhile). */
 static int qgemm_rows(const qmat *m, int M, const float *a, int lda, float *c, int ldc, int r0, int r1) {
@@ -1648,16 +1658,6 @@ static int qgemm_rows(const qmat *m, int M, const float *a, int lda, float *c, i
 /* One helper thread shares large products: both threads take stretches of W from a counter, so the caller
  * never waits for a helper that has not started (beside a busy process it may not get a core), only for a
  * stretch the helper has taken. The helper sleeps on a futex between products: it never spins. */
-/* Attention's products of many (record, KV head) pairs in one call (attention_batch): pair p's rows of a and c
- * follow one another, its keys (or values) lie pair_stride floats after the pair before's. */
-typedef struct {
-    int softmax, rep, pairs, n, k, lda, ldb, ldc;
-    long pair_stride;
-    const float *a, *b;
-    float *c;
-} attn_t;
-static int attention_pairs(const attn_t *t, int p0, int p1);
-
 typedef struct {
     const qmat *m;
     const attn_t *attn; /* attention's pairs, a stretch of them at a time, when not null */
@@ -2538,15 +2538,17 @@ static void swiglu(int m, int n, float *c, int ldc) {
  * step reads every record's KV cache from memory, and waiting for it was half of attention's time). */
 
 static void prefetch_next(const float *b, long bytes) {
+#ifdef X86_AVX512
     static __thread const char *last;
     static __thread long stride;
     const char *here = (const char *)b;
     long step = here - last;
-#ifdef X86_AVX512
     if (step == stride && step != 0)
         for (long i = 0; i < bytes; i += 64) _mm_prefetch(here + PREFETCH_AHEAD * step + i, _MM_HINT_T0);
-#endif
     stride = step, last = here;
+#else
+    (void)b, (void)bytes;
+#endif
 }
 
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
