@@ -442,6 +442,36 @@ def test_fused_projections_give_the_numbers_of_the_parts(engine: Any) -> None:
     assert all(mx.array_equal(a, b).item() for a, b in zip(fused, parts, strict=True))  # to the last bit
 
 
+@pytest.mark.model
+def test_a_batchs_decode_steps_take_attention_over_the_caches_buffers(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The real batched path (mlx-lm's BatchKVCache, left padding) and the single stream (KVCache) decode with
+    # attention_cached: the cache classes are named, not imported, so a rename in mlx-lm would turn it off.
+    from mlxpipe import records_from_objects, run
+    from mlxpipe.events import Done
+    from mlxpipe.records import Settings
+
+    if "attention" not in engine.cpu_fast_paths or not gemv.attention_available():
+        pytest.skip("attention runs in gemv.c's kernels on an AVX2 or AVX-512 CPU only")
+    seen: list[int] = []
+    real = layers.attention_cached
+
+    def counted(queries: mx.array, *args: Any) -> mx.array:
+        seen.append(queries.shape[0])
+        return real(queries, *args)
+
+    monkeypatch.setattr(layers, "attention_cached", counted)
+    prompts = ["Name a colour.", "Write one sentence about the sea and the wind.", "Count to three."]
+    texts = {}
+    for size in (1, 3):
+        records = records_from_objects(prompts, Settings(max_tokens=4))
+        done = [e for e in run(records, engine, batch=size) if isinstance(e, Done)]
+        texts[size] = [d.text for d in sorted(done, key=lambda d: d.index)]
+    assert 1 in seen and 3 in seen  # one record's steps, and the three's
+    assert texts[1] == texts[3]
+
+
 def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
     env = cli_env() if fast else cli_env(**{layers.ENV: "off"})
     r = run_cli(["--jsonl", "--no-stream", *args], input=lines, env=env)
