@@ -9,7 +9,9 @@ issue 19; ``blas1``: the same with one OpenBLAS thread; ``qgemm``: products of s
 quantized bytes with the AVX-512 float32 kernels, mlx-lm's own decode step (the first issue-19 session);
 ``argmax``: the same with greedy steps that skip mlx-lm's log-softmax; ``amx``: that, with products of 16
 rows or more on AMX tiles (the default where the CPU has AMX); ``sdpa``: ``amx`` with mx.fast's attention
-in place of mlxpipe.cpu.layers' (before it). Per B and setting, minimum and median over the steps of:
+in place of mlxpipe.cpu.layers' (before it); ``pairs``: ``amx`` with a decode step's attention one (record, KV
+head) pair a call, as mlx makes a batched product (before ``attention_cached``). Per B and setting, minimum
+and median over the steps of:
 
 - ``products``: the step's 211 weight products alone (the attached matrices, B random rows, through the
   same ``cblas_sgemm`` mlx calls);
@@ -50,7 +52,8 @@ def use(setting: str, b: int, model: Any = None) -> None:
         cpu_attention = gemv.attention_available()
         fast = layers._fast_attention(plain, fused, cpu_attention)
         attention.__class__ = plain if setting == "sdpa" else fast
-    setting = "amx" if setting == "sdpa" else setting
+    layers.CACHED_ATTENTION = setting != "pairs"
+    setting = "amx" if setting in ("sdpa", "pairs") else setting
 
     gemv._shim.mlxpipe_qgemm_max_rows(0 if setting.startswith("blas") else gemv.MAX_ROWS)
     gemv.use_amx(gemv.AMX_ROWS if setting == "amx" else 0)
@@ -128,7 +131,9 @@ def main() -> None:
     parser.add_argument("--batch", default="2,16,64")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--settings", default="sdpa,amx", help="of blas, blas1, qgemm, argmax, amx, sdpa")
+    parser.add_argument(
+        "--settings", default="sdpa,amx", help="of blas, blas1, qgemm, argmax, amx, sdpa, pairs"
+    )
     args = parser.parse_args()
     import mlx.core as mx
 

@@ -239,7 +239,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 _ZERO = mx.zeros((1,), dtype=mx.float32)
 _CACHES = {("mlx_lm.models.cache", "KVCache"), ("mlx_lm.models.cache", "BatchKVCache")}  # attention_cached's
-CACHED_ATTENTION = True  # off only in bench/batch_steps.py, to measure attention() beside attention_cached()
+CACHED_ATTENTION = True  # off only in bench/batch_steps.py (``pairs``): attention() beside attention_cached()
 
 
 def cached_layout(cache: Any, queries: mx.array) -> int:
@@ -267,8 +267,8 @@ def cached_layout(cache: Any, queries: mx.array) -> int:
 def attention_cached(queries: mx.array, cache: Any, positions: int, scale: float, mask: Any) -> mx.array:
     """:func:`attention` of one query a record over the first ``positions`` of ``cache``'s keys and values
     (``cached_layout`` said it can), the same numbers: each product one call for every (record, KV head) pair,
-    reading the cache's buffers in place, where mlx makes one per pair (~8 us each at 64 records) and gemv.c
-    shares them with its helper."""
+    reading the cache's buffers in place, where mlx makes one call per pair on its one thread; gemv.c shares
+    the pairs with its helper thread."""
     b, heads, _, dim = queries.shape
     kv_heads, capacity = cache.keys.shape[1], cache.keys.shape[2]
     rep = heads // kv_heads
