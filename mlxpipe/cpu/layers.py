@@ -223,18 +223,29 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     rep = heads // kv_heads
     q = (queries * scale).reshape(b, kv_heads, rep * length, dim)
     scores = mx.addmm(_ZERO, q, keys.swapaxes(-1, -2), alpha=gemv.SCORES_ALPHA, beta=0.0)  # [B, kv, rep L, S]
-    if isinstance(mask, str):  # "causal": the queries are the last `length` positions
-        mask = mx.arange(positions - length, positions)[:, None] >= mx.arange(positions)[None]
-    if mask is not None:
-        if mask.ndim >= 3 and mask.shape[-3] == heads:
-            mask = mask.reshape(*mask.shape[:-3], kv_heads, rep, *mask.shape[-2:])
-        elif mask.ndim >= 3:
-            mask = mx.expand_dims(mask, -3)
-        s5 = scores.reshape(b, kv_heads, rep, length, positions)
-        s5 = mx.where(mask, s5, _LOWEST) if mask.dtype == mx.bool_ else s5 + mask.astype(mx.float32)
-        scores = s5.reshape(b, kv_heads, rep * length, positions)
+    scores = _masked(scores, mask, (b, kv_heads, rep, length, positions))
     out = mx.addmm(_ZERO, scores, values, alpha=gemv.SOFTMAX_ALPHA, beta=0.0)
     return out.reshape(b, heads, length, dim)
+
+
+def _masked(scores: mx.array, mask: Any, shape: tuple[int, int, int, int, int]) -> mx.array:
+    """Attention's ``scores`` (any layout of ``shape``: records, KV heads, query heads a KV head, queries,
+    positions) under :func:`attention`'s ``mask``, in their own layout: a masked score at float32's lowest
+    (boolean masks), or the mask added."""
+    _, kv_heads, rep, length, positions = shape
+    if isinstance(mask, str):  # "causal": the queries are the last `length` positions (one query sees all)
+        if length == 1:
+            return scores
+        mask = mx.arange(positions - length, positions)[:, None] >= mx.arange(positions)[None]
+    if mask is None:
+        return scores
+    if mask.ndim >= 3 and mask.shape[-3] == kv_heads * rep:
+        mask = mask.reshape(*mask.shape[:-3], kv_heads, rep, *mask.shape[-2:])
+    elif mask.ndim >= 3:
+        mask = mx.expand_dims(mask, -3)
+    s5 = scores.reshape(shape)
+    s5 = mx.where(mask, s5, _LOWEST) if mask.dtype == mx.bool_ else s5 + mask.astype(mx.float32)
+    return s5.reshape(scores.shape)
 
 
 _ZERO = mx.zeros((1,), dtype=mx.float32)
@@ -277,17 +288,7 @@ def attention_cached(queries: mx.array, cache: Any, positions: int, scale: float
     keys = mx.as_strided(cache.keys, (positions, dim), (dim, 1))
     values = mx.as_strided(cache.values, (positions, dim), (dim, 1))
     scores = mx.addmm(_ZERO, q, keys.T, alpha=gemv.attention_alpha(False, rep, capacity), beta=0.0)
-    if mask is not None:
-        if isinstance(mask, str):  # "causal" with one query: the last position sees them all
-            mask = None
-        elif mask.ndim >= 3 and mask.shape[-3] == heads:
-            mask = mask.reshape(*mask.shape[:-3], kv_heads, rep, *mask.shape[-2:])
-        elif mask.ndim >= 3:
-            mask = mx.expand_dims(mask, -3)
-    if mask is not None:
-        s5 = scores.reshape(b, kv_heads, rep, 1, positions)
-        s5 = mx.where(mask, s5, _LOWEST) if mask.dtype == mx.bool_ else s5 + mask.astype(mx.float32)
-        scores = s5.reshape(b * heads, positions)
+    scores = _masked(scores, mask, (b, kv_heads, rep, 1, positions))
     out = mx.addmm(_ZERO, scores, values, alpha=gemv.attention_alpha(True, rep, capacity), beta=0.0)
     return out.reshape(b, heads, 1, dim)
 
