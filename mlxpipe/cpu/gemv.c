@@ -1791,6 +1791,22 @@ static int start_helper(void) {
     atomic_store(&helper_state, ok ? 1 : -1);
     return ok;
 }
+
+/* The helper for the caller's product (the job's owner until it stores job_busy 0), unless another product
+ * holds it or it cannot start; whether taken. */
+static int claim_helper(void) {
+    if (atomic_exchange(&job_busy, 1)) return 0;
+    if (start_helper()) return 1;
+    atomic_store(&job_busy, 0);
+    return 0;
+}
+
+/* Runs j with the claimed helper: one late twice in a row (a VM's one-off delay is not) is left out for the
+ * next ALONE products. */
+static void run_with_helper(job_t *j) {
+    if (run_shared(j)) late_in_row = 0;
+    else if (++late_in_row >= 2) alone_for = ALONE, alone_spells++, late_in_row = 0;
+}
 #endif
 
 enum { SHARED_MIN = 1 << 21 }; /* multiply-adds worth waking the helper for (a 576x576 product of 8 rows) */
@@ -1850,11 +1866,7 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
     int stretch = (int)(CHUNK / row_bytes);
     int big = qgemm_threads > 1 && (long)M * n * m->k >= SHARED_MIN;
     if (big && alone_for > 0) alone_for--, big = 0;
-    int shared = big && !atomic_exchange(&job_busy, 1);
-    if (shared && !start_helper()) {
-        atomic_store(&job_busy, 0);
-        shared = 0;
-    }
+    int shared = big && claim_helper();
     if (shared) { /* about 8 stretches a thread, for balance */
         if (n / 16 + 1 < stretch) stretch = n / 16 + 1;
         /* the GEMM keeps no stretch of W in L2 for A's rows: stretches of ~1M multiply-adds end together */
@@ -1896,10 +1908,8 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
     j->one_row = 0, j->attn = 0;
     j->at = at, j->mpad = mpad;
     j->i8 = i8;
-    /* two late helpers in a row: a VM's one-off delay does not cost a step's products on one thread */
-    if (shared && run_shared(j)) late_in_row = 0;
-    else if (shared && ++late_in_row >= 2) alone_for = ALONE, alone_spells++, late_in_row = 0;
-    else if (!shared) work(j);
+    if (shared) run_with_helper(j);
+    else work(j);
     int failed = atomic_load(&j->failed);
     if (shared) atomic_store(&job_busy, 0);
     if (failed) return 0; /* (only when memory for a few rows ran out) */
@@ -2378,18 +2388,12 @@ static int attention_batch(float alpha, int tb, int m, int n, int k, const float
 #ifdef X86_AVX512
     int shared = qgemm_threads > 1 && t.pairs >= 4 && (long)m * n * k >= ATTENTION_SHARED_MIN;
     if (shared && alone_for > 0) alone_for--, shared = 0;
-    shared = shared && !atomic_exchange(&job_busy, 1);
-    if (shared && !start_helper()) {
-        atomic_store(&job_busy, 0);
-        shared = 0;
-    }
-    if (shared) {
+    if (shared && claim_helper()) {
         job_t *j = &job;
         j->attn = &t, j->m = 0, j->one_row = 0;
         j->stretch = t.pairs / 16 > 1 ? t.pairs / 16 : 1; /* about 8 stretches a thread, for balance */
         j->stretches = (t.pairs + j->stretch - 1) / j->stretch;
-        if (run_shared(j)) late_in_row = 0;
-        else if (++late_in_row >= 2) alone_for = ALONE, alone_spells++, late_in_row = 0;
+        run_with_helper(j);
         int failed = atomic_load(&j->failed);
         j->attn = 0;
         atomic_store(&job_busy, 0);
@@ -2431,11 +2435,7 @@ static void one_rows(const qmat *m, const float *xe, const float *xo, const floa
     long weights = (long)n * m->k;
     int shared = qgemm_threads > 1 && weights >= one_row_min && now() >= one_alone_until &&
                  (one_row_rate == 0 || weights >= one_row_rate * (one_shared_us * 1e-6));
-    shared = shared && !atomic_exchange(&job_busy, 1);
-    if (shared && !start_helper()) {
-        atomic_store(&job_busy, 0);
-        shared = 0;
-    }
+    shared = shared && claim_helper();
     if (!shared) {
         double start = now();
         if (i8) i8_rows_any(m, i8, 1, c, n, 0, n);
