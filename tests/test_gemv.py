@@ -292,15 +292,21 @@ def _quantized(rng: Any, n: int, k: int, bits: int, group: int = 32) -> tuple[np
     return weight, packed, scales, biases
 
 
-def _registered(shim: Any, rng: Any, n: int, k: int, bits: int, group: int = 32) -> tuple[np.ndarray, ...]:
-    """A random matrix (:func:`_quantized`) registered with ``shim``: the caller keeps all four arrays alive
-    while the shim may read them."""
-    w, packed, scales, biases = arrays = _quantized(rng, n, k, bits, group)
+def _register(shim: Any, arrays: tuple[np.ndarray, ...], bits: int, group: int = 32) -> None:
+    """Register :func:`_quantized`'s ``arrays`` with ``shim``: the caller keeps all four alive while the shim
+    may read them."""
+    w, packed, scales, biases = arrays
     ptr = ctypes.c_void_p
     assert shim.mlxpipe_qgemv_register(
-        ptr(w.ctypes.data), n, k, bits, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
+        ptr(w.ctypes.data), *w.shape, bits, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
         ptr(biases.ctypes.data),
     )  # fmt: skip
+
+
+def _registered(shim: Any, rng: Any, n: int, k: int, bits: int, group: int = 32) -> tuple[np.ndarray, ...]:
+    """A random matrix (:func:`_quantized`) registered with ``shim`` (:func:`_register`)."""
+    arrays = _quantized(rng, n, k, bits, group)
+    _register(shim, arrays, bits, group)
     return arrays
 
 
@@ -682,7 +688,7 @@ def test_float16_scales_kept_in_16_bits_give_the_same_numbers(openblas: Any) -> 
     try:
         for (n, k, bits, group), parts in itertools.product(shapes, [1, 2]):
             shim.mlxpipe_qgemm_int8(parts)
-            w, packed, scales, biases = _quantized(rng, n, k, bits, group)
+            arrays = w, _, scales, biases = _quantized(rng, n, k, bits, group)
             scales[...], biases[...] = scales.astype(np.float16), biases.astype(np.float16)
             x = rng.standard_normal((64, k)).astype(np.float32)
             got = {}
@@ -690,21 +696,12 @@ def test_float16_scales_kept_in_16_bits_give_the_same_numbers(openblas: Any) -> 
                 shim.mlxpipe_qgemm_int8_half(half)
                 shim.mlxpipe_qgemv_avx2(avx2)
                 held = shim.mlxpipe_qgemm_int8_halves()
-                ptr = ctypes.c_void_p
-                assert shim.mlxpipe_qgemv_register(
-                    ptr(w.ctypes.data), n, k, bits, group, ptr(packed.ctypes.data), ptr(scales.ctypes.data),
-                    ptr(biases.ctypes.data),
-                )  # fmt: skip
-                rows = [_product(shim, w, x[:m])[0] for m in (2, 17, 64)]
-                one = np.zeros((1, n), np.float32)
-                shim.cblas_sgemm(
-                    ROW_MAJOR, NO_TRANS, TRANS, 1, n, k, ctypes.c_float(1.0), ptr(x.ctypes.data), k,
-                    ptr(w.ctypes.data), k, ctypes.c_float(0.0), ptr(one.ctypes.data), n,
-                )  # fmt: skip
+                _register(shim, arrays, bits, group)
+                products = [_product(shim, w, x[:m])[0] for m in (1, 2, 17, 64)]  # one row: qgemv's path
                 assert shim.mlxpipe_qgemm_int8_halves() - held == half  # this copy, in 16 bits or not
-                shim.mlxpipe_qgemv_unregister(ptr(w.ctypes.data))
+                shim.mlxpipe_qgemv_unregister(ctypes.c_void_p(w.ctypes.data))
                 shim.mlxpipe_qgemv_release()
-                got[half, avx2] = [one, *rows]
+                got[half, avx2] = products
             for key, products in got.items():
                 same = all((a == b).all() for a, b in zip(products, got[0, 0], strict=True))
                 assert same, (n, k, bits, key)
