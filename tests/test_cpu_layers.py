@@ -472,6 +472,43 @@ def test_a_batchs_decode_steps_take_attention_over_the_caches_buffers(
     assert texts[1] == texts[3]
 
 
+@pytest.mark.model
+def test_greedy_steps_pick_tokens_by_gemvs_argmax_as_mx_argmax_picks_them(engine: Any) -> None:
+    # layers.argmax (gemv.c, through mlx's product) gives mx.argmax's indices; a greedy record's steps take
+    # it, one stream and a batch alike, with the texts mx.argmax gives.
+    from mlxpipe import records_from_objects, run
+    from mlxpipe.engine.generate import greedy_argmax
+    from mlxpipe.events import Done
+    from mlxpipe.records import Settings
+
+    if "argmax" not in engine.cpu_fast_paths:
+        pytest.skip("gemv.c's library is not in front of this BLAS")
+    assert engine.argmax is layers.argmax
+    rng = np.random.default_rng(9)
+    for rows in (1, 3, 64):
+        logits = mx.array(rng.standard_normal((rows, 49152)).astype(np.float32))
+        assert mx.array_equal(layers.argmax(logits), mx.argmax(logits, axis=-1)).item()
+        assert layers.argmax(logits).dtype == mx.argmax(logits, axis=-1).dtype
+    strided = mx.array(rng.standard_normal((4, 300)).astype(np.float32))[:, ::3]  # mlx copies it first
+    assert mx.array_equal(layers.argmax(strided), mx.argmax(strided, axis=-1)).item()
+    prompts = ["Name a colour.", "Write one sentence about the sea and the wind.", "Count to three."]
+    texts = {}
+    for pick in (layers.argmax, greedy_argmax):
+        engine.argmax = pick
+        try:
+            for size in (1, 3):
+                mx.synchronize()  # the step queued after a run's last token (computed, dropped) counted there
+                before = gemv.argmax_calls()
+                records = records_from_objects(prompts, Settings(max_tokens=6))
+                done = [e for e in run(records, engine, batch=size) if isinstance(e, Done)]
+                texts[pick, size] = [d.text for d in sorted(done, key=lambda d: d.index)]
+                mx.synchronize()
+                assert (gemv.argmax_calls() > before) == (pick is layers.argmax)
+        finally:
+            engine.argmax = layers.argmax
+    assert len(set(map(tuple, texts.values()))) == 1
+
+
 def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
     env = cli_env() if fast else cli_env(**{layers.ENV: "off"})
     r = run_cli(["--jsonl", "--no-stream", *args], input=lines, env=env)
@@ -483,7 +520,7 @@ def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
 def test_model_info_reports_the_fast_paths() -> None:
     info = json.loads(run_cli(["--model-info"]).stdout)
     on_cpu = info["device"].startswith("Device(cpu")
-    fast = ["eval_per_layer", "linear", "rms_norm", "rope", "swiglu"]
+    fast = ["argmax"] * gemv.argmax_available() + ["eval_per_layer", "linear", "rms_norm", "rope", "swiglu"]
     fast += ["attention"] * gemv.attention_available()
     if info["quantized_rows"]:  # the quantized kernels (AVX-512): fused projections too
         fast += ["fused"]

@@ -172,6 +172,41 @@ def test_swiglu_products_give_layers_swiglu_bit_for_bit(openblas: Any) -> None:
     shim.mlxpipe_attention_portable(0)
 
 
+def test_argmax_products_pick_what_mx_argmax_picks(openblas: Any) -> None:
+    # A product of logits by two columns whose alpha is ARGMAX_ALPHA: each row's index as mx.argmax gives it
+    # (its first NaN, else the first of its largest, -0 and 0 alike), in both columns, as a float.
+    import mlx.core as mx
+
+    shim = _own_shim(openblas)
+    ptr, f = ctypes.c_void_p, ctypes.c_float
+    rng = np.random.default_rng(5)
+    nan, inf = float("nan"), float("inf")
+    rows = [rng.standard_normal(k).astype(np.float32) for k in (1, 5, 16, 17, 49152)]
+    rows += [np.array(v, np.float32) for v in ([1, nan, 2, nan], [nan, 1, nan], [inf, nan], [3, 3, 1])]
+    rows += [np.full(40, -inf, np.float32), np.array([-0.0, 0.0, -0.0], np.float32)]
+    ties = np.zeros(100, np.float32)
+    ties[[37, 70]] = 5.0  # the first of two, in the second 16 of the vector loop
+    late_nan = rng.standard_normal(40).astype(np.float32)
+    late_nan[33] = nan  # in the tail past the vectors of 16
+    rows += [ties, late_nan]
+    for kind in ["best", "portable"]:
+        shim.mlxpipe_attention_portable(int(kind == "portable"))
+        for row in rows:
+            k, m, ldc = len(row), 3, 5
+            logits = np.tile(row, (m, 1))
+            logits[1] = logits[1][::-1]  # another row of the same values: another index
+            want = np.array(mx.argmax(mx.array(logits), axis=-1))
+            c = np.full(m * ldc, -1.0, np.float32)
+            shim.cblas_sgemm(
+                ROW_MAJOR, NO_TRANS, NO_TRANS, m, 2, k, f(gemv.ARGMAX_ALPHA), ptr(logits.ctypes.data), k,
+                ptr(np.zeros((k, 2), np.float32).ctypes.data), 2, f(0.0), ptr(c.ctypes.data), ldc,
+            )  # fmt: skip
+            picked = c.reshape(m, ldc)
+            assert np.array_equal(picked[:, 0], want) and np.array_equal(picked[:, 1], want), (kind, row[:8])
+            assert (picked[:, 2:] == -1.0).all()  # nothing else written
+    shim.mlxpipe_attention_portable(0)
+
+
 _THROUGH_MLX = """
 import json, numpy as np
 from mlxpipe.cpu import blas

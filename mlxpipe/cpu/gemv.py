@@ -51,6 +51,8 @@ from ..switches import setting, turned_off
 __all__ = [
     "AMX_ENV",
     "AMX_ROWS",
+    "ARGMAX_ALPHA",
+    "ARGMAX_MAX_COLUMNS",
     "ATTENTION_MAX_CAPACITY",
     "ENV",
     "INT8_ENV",
@@ -61,6 +63,8 @@ __all__ = [
     "SCORES_ALPHA",
     "SOFTMAX_ALPHA",
     "SWIGLU_ALPHA",
+    "argmax_available",
+    "argmax_calls",
     "attach",
     "attached",
     "attention_alpha",
@@ -103,6 +107,9 @@ _ATTENTION_ALPHA = 2.0**98
 ATTENTION_MAX_CAPACITY = (1 << 17) - 1  # positions of a KV cache's buffer the alpha can name
 # A product whose alpha is this is a fused gate-and-up projection: its first half becomes silu(gate) * up.
 SWIGLU_ALPHA = -(2.0**101)
+# A product of logits (m x vocabulary) by two columns whose alpha is this: each row's mx.argmax (gemv.c).
+ARGMAX_ALPHA = -(2.0**102)
+ARGMAX_MAX_COLUMNS = (1 << 24) - 1  # a vocabulary the float32 index holds exactly
 MAX_ROWS = 1 << 30  # every product by an attached matrix: a row's sums never depend on the batch or prompt
 _SOURCE = Path(__file__).with_name("gemv.c")
 _shim: Any = None  # the library in front of the BLAS, once installed
@@ -330,6 +337,20 @@ def swiglu_available() -> bool:
     ``silu(gate) * up`` (m x width) packed row-major at ``c``'s start, in float32 by
     :func:`mlxpipe.cpu.layers.swiglu`'s operations."""
     return _shim is not None
+
+
+def argmax_available() -> bool:
+    """Whether mlx's products go through the library, so that a product of logits (m x vocabulary, float32)
+    by a column whose alpha is :data:`ARGMAX_ALPHA` gives each row's ``mx.argmax`` as a float (m x 1)."""
+    return _shim is not None
+
+
+def argmax_calls() -> int:
+    """Products computed as each row's argmax (:data:`ARGMAX_ALPHA`) so far in this process."""
+    if _shim is None:
+        return 0
+    _shim.mlxpipe_argmax_calls.restype = ctypes.c_long
+    return int(_shim.mlxpipe_argmax_calls())
 
 
 def swiglu_calls() -> int:

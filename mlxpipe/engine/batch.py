@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from ..errors import RecordError
 from ..events import Chunk, Done, Error, decode_tps
 from ..records import Record
 from .choices import choose
+from .generate import greedy_argmax
 from .sampling import StopStrings
 
 if TYPE_CHECKING:
@@ -160,6 +162,7 @@ def _greedy_batch() -> Any:
 
         STALE_STEPS = 4
         PADDING_CUT = 32  # positions: a cut copies every KV cache, as a filter does
+        argmax: Callable[[mx.array], mx.array] = staticmethod(greedy_argmax)  # the engine's (Batch sets it)
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -331,7 +334,7 @@ def _greedy_batch() -> Any:
             b._current_logprobs = b._next_logprobs
             inputs = b._current_tokens
             logits = b.model(inputs[:, None], cache=b.prompt_cache)[:, -1, :]
-            b._next_tokens = mx.argmax(logits, axis=-1)
+            b._next_tokens = self.argmax(logits)
             b._next_logprobs = [_NO_LOGPROBS] * len(b.uids)
             # mlx-lm's order: start computing the next step, then wait for this one's tokens
             mx.async_eval(b._next_tokens)  # type: ignore[no-untyped-call]
@@ -388,6 +391,7 @@ class Batch:
         # Every decoding row joins this one batch (mlx-lm extends it), so its steps are _Greedy's; records
         # join it from _Prompts, their prompts' last tokens not yet read.
         self._gen._generation_batch = _greedy_batch().empty(engine.model, self._gen.sampler)
+        self._gen._generation_batch.argmax = engine.argmax
         prompts = _prompt_batch()[0]
         self._gen._prompt_batch = prompts.empty(
             engine.model, self._gen.sampler, prefill_step_size=engine.prefill_step

@@ -30,7 +30,7 @@ from .batch import Batch, auto_size
 from .choices import choose
 from .constraints import Constraints
 from .dtype import STORED_VERSION, KeptFile, accelerator, apply_dtype, available_memory, choose_dtype
-from .generate import generation_stream, stream_generate
+from .generate import generation_stream, greedy_argmax, stream_generate
 from .prefix import PrefixCache
 from .prompts import Prompts
 
@@ -75,6 +75,7 @@ class Engine:
         self.dtype = dtype
         self.dtype_reason = dtype_reason
         self.cpu_fast_paths: list[str] = []  # layers swapped by mlxpipe.cpu.layers (set by load)
+        self.argmax: Callable[[mx.array], mx.array] = greedy_argmax  # a greedy step's pick (set by load)
         self.quantized_rows = 0  # weight matrices whose one-row products read quantized bytes (set by load)
         self.batch_choice: dict[str, Any] | None = None  # what --batch auto chose and why (set by auto_batch)
         self.context_length = models.context_length(folder)
@@ -133,6 +134,9 @@ class Engine:
         # mx.fast's norms and RoPE have no CPU kernels, mlx's CPU exp is slow: on a CPU, compiled stand-ins.
         if accelerator() is None and layers.enabled():
             engine.cpu_fast_paths = layers.apply(engine.model)
+            if gemv.argmax_available():  # mlx's CPU argmax compares one element at a time
+                engine.argmax = layers.argmax
+                engine.cpu_fast_paths = sorted([*engine.cpu_fast_paths, "argmax"])
         return engine
 
     def info(self) -> dict[str, Any]:
@@ -257,6 +261,7 @@ class Engine:
             logits_processors=processors,
             prompt_cache=cache,
             prefill_step_size=self.prefill_step,
+            argmax=self.argmax,
         )
         prompt_tps = 0.0
         first = 0.0

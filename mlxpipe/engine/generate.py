@@ -39,6 +39,11 @@ class Response:
     finish_reason: str | None = None
 
 
+def greedy_argmax(logits: mx.array) -> mx.array:
+    """Each row's token for a greedy step that needs no log-probabilities: ``mx.argmax``, last axis."""
+    return mx.argmax(logits, axis=-1)
+
+
 def _steps(
     prompt: mx.array,
     model: Any,
@@ -48,6 +53,7 @@ def _steps(
     logits_processors: list[Callable[[mx.array, mx.array], mx.array]],
     prompt_cache: list[Any] | None,
     prefill_step_size: int,
+    argmax: Callable[[mx.array], mx.array],
 ) -> Generator[int, None, None]:
     """The token ids, as mlx-lm's ``generate_step`` yields them (without its logprobs)."""
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
@@ -65,7 +71,7 @@ def _steps(
                 for processor in logits_processors:
                     logits = processor(tokens, logits)
             if argmax_only:
-                return mx.argmax(logits, axis=-1)
+                return argmax(logits)
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
             return sampler(logprobs)
 
@@ -109,8 +115,10 @@ def stream_generate(
     logits_processors: list[Callable[[mx.array, mx.array], mx.array]],
     prompt_cache: list[Any] | None = None,
     prefill_step_size: int = 2048,
+    argmax: Callable[[mx.array], mx.array] = greedy_argmax,
 ) -> Generator[Response, None, None]:
-    """What ``mlx_lm.stream_generate`` yields for token ids and the arguments mlxpipe passes."""
+    """What ``mlx_lm.stream_generate`` yields for token ids and the arguments mlxpipe passes (``argmax``: a
+    greedy step's pick, :func:`greedy_argmax` or the same picks computed otherwise)."""
     detokenizer = tokenizer.detokenizer
     eos = tokenizer.eos_token_ids
     token, n = 0, 0
@@ -122,6 +130,7 @@ def stream_generate(
         logits_processors=logits_processors,
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step_size,
+        argmax=argmax,
     )
     try:
         for n, token in enumerate(steps):
