@@ -145,14 +145,20 @@ def test_swiglu_products_give_layers_swiglu_bit_for_bit(openblas: Any) -> None:
     # A product whose alpha is SWIGLU_ALPHA: here by the identity, so c is the chosen gate and up values,
     # then silu(gate) * up packed at c's start (a contiguous matrix for the next product), the very numbers
     # of layers.swiglu (mlx's compiled kernels).
+    shim = _own_shim(openblas)
+    for half in (37, 61):  # 37: 32 in vectors, 5 alone; 61: 48 in AVX-512's vectors, 8 in AVX2's, 5 alone
+        _swiglu_product(shim, half)
+    shim.mlxpipe_attention_portable(0)
+
+
+def _swiglu_product(shim: Any, half: int) -> None:
     import mlx.core as mx
 
     from mlxpipe.cpu import layers
 
-    shim = _own_shim(openblas)
     ptr, f = ctypes.c_void_p, ctypes.c_float
     rng = np.random.default_rng(21)
-    m, half, ldc = 5, 37, 2 * 37 + 3  # 37: the AVX2 loop's tail too; rows of c further apart than n
+    m, ldc = 5, 2 * half + 3  # rows of c further apart than n
     values = (6 * rng.standard_normal((m, 2 * half))).astype(np.float32)
     values[0, :10] = [0.0, -0.0, 1e-30, 7.9, -7.9, 15.81, -15.81, 50.0, -50.0, -3.0]  # the clamp at 7.9
     expected = np.array(layers.swiglu(mx.array(values[:, :half]), mx.array(values[:, half:])))
@@ -168,8 +174,7 @@ def test_swiglu_products_give_layers_swiglu_bit_for_bit(openblas: Any) -> None:
             2 * half, ptr(identity.ctypes.data), 2 * half, f(0.0), ptr(c.ctypes.data), ldc,
         )  # fmt: skip
         assert calls() == before + 1
-        assert np.array_equal(c[: m * half].reshape(m, half), expected), kind
-    shim.mlxpipe_attention_portable(0)
+        assert np.array_equal(c[: m * half].reshape(m, half), expected), (kind, half)
 
 
 def test_argmax_products_pick_what_mx_argmax_picks(openblas: Any) -> None:

@@ -1201,6 +1201,14 @@ static float lanes_sum(const float *l) {
     return (t[0] + t[2]) + (t[1] + t[3]);
 }
 
+/* lanes_sum of a register's 16 lanes, the same additions in the same order, without a store */
+__attribute__((target("avx512f"), always_inline)) static inline float lanes_sum512(__m512 v) {
+    __m512 t8 = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));                   /* i + (i + 8) */
+    __m128 t = _mm_add_ps(_mm512_castps512_ps128(t8), _mm512_extractf32x4_ps(t8, 1)); /* i + (i + 4) */
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));                                          /* 0 + 2, 1 + 3 */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
 /* M rows of A (stride lda) -> bytes xq (M x parts x k: a row's first part, then its second), each group's
  * scale sx and float32 sum xsum (M x groups). x / sx = q1 + q2 / 256: q1 rounded to nearest, q2 the rest
  * rounded (|x / sx - q1 - q2 / 256| <= 1/512, against 1/2 with one part). */
@@ -1229,10 +1237,8 @@ __attribute__((target("avx512f,avx512bw"))) static void i8_quantize(const qmat *
                     _mm_storeu_si128((__m128i *)(row + k + j), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(rest)));
                 }
             }
-            float lanes[16];
-            _mm512_storeu_ps(lanes, sum);
             sx[(long)i * groups + g] = amax / 127.0f;
-            xsum[(long)i * groups + g] = lanes_sum(lanes);
+            xsum[(long)i * groups + g] = lanes_sum512(sum);
         }
 }
 
@@ -2506,6 +2512,31 @@ __attribute__((target("avx2"))) static int swiglu_avx2(float *out, const float *
     }
     return j;
 }
+
+#define R_ (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* swiglu_avx2 on 16 lanes: the same operations, each rounded alone (the _round_ forms are never fused) */
+__attribute__((target("avx512f"))) static int swiglu_avx512(float *out, const float *g, const float *x, int n) {
+    int j = 0;
+    __m512 half = _mm512_set1_ps(0.5f), lo = _mm512_set1_ps(-TANH_CLAMP), hi = _mm512_set1_ps(TANH_CLAMP);
+    for (; j + 16 <= n; j += 16) {
+        __m512 gv = _mm512_loadu_ps(g + j);
+        __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_round_ps(half, gv, R_), lo), hi);
+        __m512 t2 = _mm512_mul_round_ps(t, t, R_);
+        __m512 p = _mm512_add_round_ps(_mm512_mul_round_ps(t2, _mm512_set1_ps(TANH_P[6]), R_),
+                                       _mm512_set1_ps(TANH_P[5]), R_);
+        for (int i = 4; i >= 0; i--)
+            p = _mm512_add_round_ps(_mm512_mul_round_ps(p, t2, R_), _mm512_set1_ps(TANH_P[i]), R_);
+        __m512 q = _mm512_add_round_ps(_mm512_mul_round_ps(t2, _mm512_set1_ps(TANH_Q[3]), R_),
+                                       _mm512_set1_ps(TANH_Q[2]), R_);
+        q = _mm512_add_round_ps(_mm512_mul_round_ps(q, t2, R_), _mm512_set1_ps(TANH_Q[1]), R_);
+        q = _mm512_add_round_ps(_mm512_mul_round_ps(q, t2, R_), _mm512_set1_ps(TANH_Q[0]), R_);
+        __m512 r = _mm512_div_round_ps(_mm512_mul_round_ps(half, _mm512_mul_round_ps(p, t, R_), R_), q, R_);
+        r = _mm512_mul_round_ps(gv, _mm512_add_round_ps(half, r, R_), R_);
+        _mm512_storeu_ps(out + j, _mm512_mul_round_ps(r, _mm512_loadu_ps(x + j), R_));
+    }
+    return j;
+}
+#undef R_
 #endif
 
 static long swiglu_calls;
@@ -2515,7 +2546,8 @@ long mlxpipe_swiglu_calls(void) { return swiglu_calls; }
 static void swiglu_span(float *out, const float *g, const float *x, int n) {
     int j = 0;
 #ifdef X86_AVX512
-    if (!attention_portable && kernels()) j = swiglu_avx2(out, g, x, n);
+    if (!attention_portable && kernels() == 2) j = swiglu_avx512(out, g, x, n);
+    if (!attention_portable && kernels()) j += swiglu_avx2(out + j, g + j, x + j, n - j);
 #endif
     for (; j < n; j++) out[j] = swiglu_scalar(g[j], x[j]);
 }
