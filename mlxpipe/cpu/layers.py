@@ -94,7 +94,7 @@ class _Angles:
         self.sign = mx.array([-1.0 if f else 1.0 for f in first], dtype=mx.float32)
         self.cos = self.sin = mx.zeros((0, dims), dtype=mx.float32)
         self.last: tuple[int, int, mx.array, mx.array] | None = None
-        self.last_rows: tuple[mx.array, tuple[int, int], mx.array, mx.array] | None = None
+        self.last_rows: tuple[object, tuple[int, int], mx.array, mx.array] | None = None
 
     def spread(self, positions: mx.array) -> tuple[mx.array, mx.array]:
         """cos and sin laid out for :func:`_rotate_fn` at ``positions`` (float32; adds a last axis)."""
@@ -108,17 +108,21 @@ class _Angles:
             size = max(2 * self.cos.shape[0], bound, 256)
             self.cos, self.sin = self.spread(mx.arange(size, dtype=mx.float32))
 
-    def rows(self, offsets: mx.array, count: int, bound: int, ndim: int) -> tuple[mx.array, mx.array]:
+    def rows(
+        self, offsets: mx.array, count: int, bound: int, ndim: int, same: object = None
+    ) -> tuple[mx.array, mx.array]:
         """Rows ``offsets[b]`` to ``offsets[b] + count`` of the table for each b (positions below ``bound``;
         negative ones read row 0), shaped for ``ndim``-dimensional inputs; the last result again for the same
-        offsets array (a layer's queries, then its keys)."""
-        if self.last_rows is not None and self.last_rows[0] is offsets and self.last_rows[1] == (count, ndim):
+        offsets array (a layer's queries, then its keys), or for the same ``same`` (not None: offsets of the
+        same values, as every layer's KV cache has in one step)."""
+        key = offsets if same is None else same
+        if self.last_rows is not None and self.last_rows[0] is key and self.last_rows[1] == (count, ndim):
             return self.last_rows[2], self.last_rows[3]
         self.grow(bound)
         rows = mx.maximum(offsets.reshape(-1, 1) + mx.arange(count), 0)
         shape = (-1,) + (1,) * (ndim - 3) + (count, self.cos.shape[-1])
         cos, sin = (mx.take(table, rows, axis=0).reshape(shape) for table in (self.cos, self.sin))
-        self.last_rows = (offsets, (count, ndim), cos, sin)  # holds the offsets: their id stays theirs
+        self.last_rows = (key, (count, ndim), cos, sin)  # holds the key: its id stays its own
         return cos, sin
 
     def at(self, offset: int, count: int) -> tuple[mx.array, mx.array]:
@@ -162,16 +166,19 @@ class FastRoPE(RoPE):
     An integer offset (one stream's KV cache) reads the table; an array offset (mlx-lm's ``BatchKVCache``:
     one per row) gathers its rows from it when ``bound`` says that no position reaches it (negative ones,
     left padding that no query sees, read row 0), else computes its angles. The same numbers either way, and
-    no retrace per position.
+    no retrace per position. ``same``: offsets passed with the same object (not None) have the same values,
+    and their rows are gathered once (:data:`SAME_POSITIONS`).
     """
 
-    def __call__(self, x: mx.array, offset: Any = 0, bound: int | None = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, offset: Any = 0, bound: int | None = None, same: object = None
+    ) -> mx.array:
         angles = _angles(self.dims, self.traditional, self.base, self.scale)
         t = x.shape[-2]
         if isinstance(offset, int):
             cos, sin = angles.at(offset, t)
         elif bound is not None:  # a gather instead of 2 x B x dims cos and sin (~20 ns each on a CPU)
-            cos, sin = angles.rows(offset, t, bound, x.ndim)
+            cos, sin = angles.rows(offset, t, bound, x.ndim, same)
         else:  # positions (B or 1, 1, …, T): one offset per row, or one for all
             pos = offset.astype(mx.float32).reshape((-1,) + (1,) * (x.ndim - 2))
             cos, sin = angles.spread(pos + mx.arange(t, dtype=mx.float32))
@@ -361,10 +368,11 @@ def _rope(self: Any, x: mx.array, cache: Any, length: int) -> mx.array:
     """The attention's RoPE of ``x`` (queries' and/or keys' heads) at the cache's offset."""
     if cache is None:
         return self.rope(x)  # type: ignore[no-any-return]
-    # BatchKVCache: no row's position reaches its buffer's count plus these (FastRoPE's gather).
+    # BatchKVCache: no row's position reaches its buffer's count plus these (FastRoPE's gather); the caches
+    # of one step's layers name their same positions by one object (SAME_POSITIONS): gathered once a step.
     idx = getattr(cache, "_idx", None)
     if isinstance(self.rope, FastRoPE) and isinstance(idx, int) and not isinstance(cache.offset, int):
-        return self.rope(x, cache.offset, bound=idx + length)
+        return self.rope(x, cache.offset, bound=idx + length, same=getattr(cache, SAME_POSITIONS, None))
     return self.rope(x, offset=cache.offset)  # type: ignore[no-any-return]
 
 
@@ -438,6 +446,11 @@ FastEmbedding = type(
     "FastEmbedding", (Embedding,), {"as_linear": _as_linear, "__doc__": _EMBEDDING_DOC, "_plain": Embedding}
 )
 
+
+# A KV cache's attribute naming its rows' positions for one step, set by whoever steps the caches: the caches
+# holding the same object (not None) have offsets of the same values (mlxpipe's batch sets a new one on each
+# layer's cache before a decode step, None after), so RoPE gathers their table rows once, not per layer.
+SAME_POSITIONS = "same_positions"
 
 # Decoder layer classes that return their output as arrays: filled by the engine, as SWIGLU_MLPS below.
 DECODER_LAYERS: set[type] = set()

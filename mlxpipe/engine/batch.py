@@ -333,7 +333,16 @@ def _greedy_batch() -> Any:
             b._current_tokens = b._next_tokens
             b._current_logprobs = b._next_logprobs
             inputs = b._current_tokens
-            logits = b.model(inputs[:, None], cache=b.prompt_cache)[:, -1, :]
+            # Every layer's cache has the same positions (they step together): the CPU's RoPE gathers its rows
+            # once a step for the caches naming them alike (mlxpipe.cpu.layers.SAME_POSITIONS), not per layer.
+            same = object()
+            for c in b.prompt_cache:
+                c.same_positions = same
+            try:
+                logits = b.model(inputs[:, None], cache=b.prompt_cache)[:, -1, :]
+            finally:
+                for c in b.prompt_cache:
+                    c.same_positions = None
             b._next_tokens = self.argmax(logits)
             b._next_logprobs = [_NO_LOGPROBS] * len(b.uids)
             # mlx-lm's order: start computing the next step, then wait for this one's tokens
