@@ -257,6 +257,10 @@ def test_sigkill_mid_run_then_resume_completes_every_record_once(tmp_path: Path,
 
 def test_second_sigint_exits_at_once_even_in_a_long_prefill() -> None:
     """Two signals while mlx is busy in one long C call: the second must not wait for it to end."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:  # (the H200 read it within the 0.5 s below: no record left in flight)
+        pytest.skip("a GPU reads the near-context prompt too fast for a first signal to find it in flight")
     p = start_cli(["--jsonl", "--no-stream", "--raw", "-n", "1"])
     assert p.stdin and p.stdout and p.stderr
     p.stdin.write(b'"Hi"\n' + json.dumps("word " * 8000).encode() + b"\n")  # a near-context prefill
