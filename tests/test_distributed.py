@@ -783,8 +783,8 @@ def _rank_pid(tag: str, rank: int) -> int | None:
 def test_a_rank_that_dies_ends_the_run_with_a_clear_message_and_resume_finishes(tmp_path: Path) -> None:
     # 48 records: more than the two ranks hold at once (up to 20 each under --batch auto), so the job is still
     # under way when rank 1 is killed (with 16, every record was in flight and could all end first).
-    count = 6 * len(PROMPTS)
     lines = [json.dumps({"id": f"q{i}", "prompt": p}) for i, p in enumerate(PROMPTS * 6, 1)]
+    count = len(lines)
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     tag = f"{os.getpid()}-{time.time()}"
     p = _launch(["--jsonl", "--no-stream", *SHORT, str(tmp_path / "in.jsonl")], env={"MLXPIPE_TEST_TAG": tag})

@@ -341,7 +341,8 @@ def swiglu_available() -> bool:
 
 def argmax_available() -> bool:
     """Whether mlx's products go through the library, so that a product of logits (m x vocabulary, float32)
-    by a column whose alpha is :data:`ARGMAX_ALPHA` gives each row's ``mx.argmax`` as a float (m x 1)."""
+    by two columns (never read) whose alpha is :data:`ARGMAX_ALPHA` gives each row's ``mx.argmax`` as a float
+    in both columns (m x 2)."""
     return _shim is not None
 
 
