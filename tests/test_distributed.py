@@ -778,21 +778,32 @@ def _rank_pid(tag: str, rank: int) -> int | None:
     return None
 
 
+def _wait_for_rank_pid(tag: str, rank: int, timeout: float = 60) -> int:
+    deadline = time.monotonic() + timeout
+    while (pid := _rank_pid(tag, rank)) is None:
+        assert time.monotonic() < deadline, f"rank {rank} never started"
+        time.sleep(0.05)
+    return pid
+
+
 @pytest.mark.model
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's process in /proc")
 def test_a_rank_that_dies_ends_the_run_with_a_clear_message_and_resume_finishes(tmp_path: Path) -> None:
-    # 48 records: more than the two ranks hold at once (up to 20 each under --batch auto), so the job is still
-    # under way when rank 1 is killed (with 16, every record was in flight and could all end first).
-    lines = [json.dumps({"id": f"q{i}", "prompt": p}) for i, p in enumerate(PROMPTS * 6, 1)]
+    # 48 records, more than the two ranks hold at once (up to 20 each under --batch auto), and all but q1 long
+    # (40 tokens): the job is still under way when rank 1 is killed. With every record as short as q1, the
+    # whole job could end between q1's line and the search for rank 1 (CI, 2026-12-02).
+    lines = [
+        json.dumps({"id": f"q{i}", "prompt": p, **({} if i == 1 else {"max_tokens": 40})})
+        for i, p in enumerate(PROMPTS * 6, 1)
+    ]
     count = len(lines)
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     tag = f"{os.getpid()}-{time.time()}"
     p = _launch(["--jsonl", "--no-stream", *SHORT, str(tmp_path / "in.jsonl")], env={"MLXPIPE_TEST_TAG": tag})
     assert p.stdout
+    pid = _wait_for_rank_pid(tag, 1)
     first = p.stdout.readline()  # rank 0's first record: the job is under way
     assert json.loads(first)["id"] == "q1"
-    pid = _rank_pid(tag, 1)
-    assert pid is not None
     os.kill(pid, signal.SIGKILL)
     rest, err = _finish(p)
     finals = [json.loads(line) for line in (first + rest).splitlines()]
