@@ -217,8 +217,14 @@ RESUME_IDS = [f"r{n}" for n in range(8)]
 def _resume_input(tmp_path: Path) -> Path:
     f = tmp_path / "in.jsonl"
     prompts = ["Count to ten.", "Name a color.", "Say hi.", "Name a fruit."]
+    # the second half longer: the run is still under way when it is killed after two lines, even where
+    # the first four records end in one step together (--batch 4)
+    longer = {"max_tokens": 32}
     f.write_text(
-        "".join(json.dumps({"id": i, "prompt": prompts[n % 4]}) + "\n" for n, i in enumerate(RESUME_IDS))
+        "".join(
+            json.dumps({"id": i, "prompt": prompts[n % 4], **(longer if n >= 4 else {})}) + "\n"
+            for n, i in enumerate(RESUME_IDS)
+        )
     )
     return f
 
