@@ -424,12 +424,14 @@ def test_logits_agree_with_and_without_the_swaps(engine: Any) -> None:
 def test_fused_projections_give_the_numbers_of_the_parts(engine: Any) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxpipe.cpu import gemv, quantized
+    from mlxpipe.cpu import gemv, kernels, quantized
 
     if "fused" not in engine.cpu_fast_paths:
         pytest.skip("projections are fused on a CPU with the quantized kernels (AVX-512) only")
     attention = engine.model.model.layers[0].self_attn
     whole = attention.__dict__[quantized.FUSED]
+    if isinstance(whole, kernels.Matrix):  # the quantized weights: its packed values
+        whole = whole.arrays[0]
     assert gemv._address(whole) == gemv._address(attention.q_proj.weight)  # the parts are views of it
     assert whole.shape[0] == sum(
         p.weight.shape[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj)
@@ -542,7 +544,8 @@ def _texts(args: list[str], lines: str, fast: bool) -> list[str]:
 def test_model_info_reports_the_fast_paths() -> None:
     info = json.loads(run_cli(["--model-info"]).stdout)
     on_cpu = info["device"].startswith("Device(cpu")
-    fast = ["argmax"] * gemv.argmax_available() + ["eval_per_layer", "linear", "rms_norm", "rope", "swiglu"]
+    fast = ["argmax"] * gemv.argmax_available() + ["eval_per_layer", "rms_norm", "rope", "swiglu"]
+    fast += ["linear"] * (info["dtype"] == "float32")  # plain linear layers: the dequantized weights
     fast += ["attention"] * gemv.attention_available()
     if info["quantized_rows"]:  # the quantized kernels (AVX-512): fused projections too
         fast += ["fused"]

@@ -29,10 +29,28 @@ def test_float32_greedy_answer_matches_the_quantized_one() -> None:
     assert f32["finish_reason"] == q["finish_reason"] == "stop"
 
 
-def test_auto_on_cpu_is_float32_unless_memory_is_short(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_on_cpu_keeps_the_quantized_weights_where_the_kernels_run(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlxpipe.cpu import kernels
     from mlxpipe.engine import dtype as engine_module
 
     monkeypatch.setattr(engine_module, "accelerator", lambda: None)
+    used, reason = engine_module.choose_dtype(engine.model, "auto")
+    assert (used, kernels.available()) == ("quantized", True) and "kernels" in reason
+    r = run_cli(["--model-info"])
+    info = json.loads(r.stdout)
+    assert info["dtype"] == "quantized" and info["quantized_rows"] > 0, info
+
+
+def test_auto_on_cpu_is_float32_without_the_kernels_unless_memory_is_short(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlxpipe.cpu import kernels
+    from mlxpipe.engine import dtype as engine_module
+
+    monkeypatch.setattr(engine_module, "accelerator", lambda: None)
+    monkeypatch.setattr(kernels, "available", lambda: False)
     fast = blas.BlasChoice("/lib/libopenblas.so.0", "cmeel-openblas", "loaded before mlx")
     monkeypatch.setattr(blas, "_choice", fast)
     assert engine_module.choose_dtype(engine.model, "auto")[0] == "float32"
@@ -45,9 +63,11 @@ def test_auto_on_cpu_is_float32_unless_memory_is_short(engine: Any, monkeypatch:
 
 def test_auto_on_cpu_is_float32_with_reference_blas(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # Measured (bench/RESULTS.md): float32 beat mlx's quantized CPU kernels even without OpenBLAS.
+    from mlxpipe.cpu import kernels
     from mlxpipe.engine import dtype as engine_module
 
     monkeypatch.setattr(engine_module, "accelerator", lambda: None)
+    monkeypatch.setattr(kernels, "available", lambda: False)
     slow = blas.BlasChoice(None, "mlx", "turned off by MLXPIPE_BLAS=off", reference=True)
     monkeypatch.setattr(blas, "_choice", slow)
     used, reason = engine_module.choose_dtype(engine.model, "auto")

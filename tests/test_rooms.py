@@ -66,7 +66,7 @@ def table() -> dict[str, set[str]]:
         if len(cells) != 3 or not cells[0].startswith("`"):
             continue
         allowed = set(re.findall(r"`([\w.]+)`", cells[2]))
-        for path in re.findall(r"`([\w/]+\.(?:py|c))`", cells[0]):
+        for path in re.findall(r"`([\w/]+\.(?:py|c|cpp))`", cells[0]):
             rows[path] = allowed
     return rows
 
@@ -78,7 +78,7 @@ def modules() -> list[Path]:
 def test_every_module_and_source_file_has_a_row() -> None:
     rows = table()
     files = {str(p.relative_to(PACKAGE)) for p in modules()} | {
-        str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.c")
+        str(p.relative_to(PACKAGE)) for suffix in ("*.c", "*.cpp") for p in PACKAGE.rglob(suffix)
     }
     assert files - rows.keys() == set(), "modules missing from ARCHITECTURE.md's table"
     assert rows.keys() - files == set(), "ARCHITECTURE.md names modules that do not exist"

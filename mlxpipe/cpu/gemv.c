@@ -69,10 +69,16 @@ void mlxpipe_qgemm_max_rows(int rows) { qgemm_max_rows = rows; }
 static unsigned slot_of(const float *w) { return (unsigned)(((uintptr_t)w >> 6) * 2654435761u) & (TABLE - 1); }
 
 int mlxpipe_qgemv_available(void);
+int mlxpipe_qgemm_int8(int parts);
 
-int mlxpipe_qgemv_register(const float *w, int n, int k, int bits, int group, const void *q, const float *scales,
-                           const float *biases) {
-    if (!mlxpipe_qgemv_available() || (bits != 4 && bits != 8) || group % 32 || k % group || registered >= TABLE / 2)
+/* Registers W (key w, n x k) and returns its entry, which stays where it is (a handle for mlxpipe_qproduct);
+ * 0 when the CPU or the layout has no kernel. */
+void *mlxpipe_qmatrix(const float *w, int n, int k, int bits, int group, const void *q, const float *scales,
+                      const float *biases) {
+    /* 2, 3, 5 and 6 bits: the integer products only (their copy repacked in bytes) */
+    int wide = bits == 2 || bits == 3 || bits == 5 || bits == 6;
+    if (!mlxpipe_qgemv_available() || !(bits == 4 || bits == 8 || (wide && mlxpipe_qgemm_int8(-1))) || group % 32 ||
+        k % group || registered >= TABLE / 2)
         return 0;
     unsigned i = slot_of(w), dead = TABLE;
     /* keyed by address and rows: a matrix and a view of its first rows (a fused product's part) share one */
@@ -82,7 +88,12 @@ int mlxpipe_qgemv_register(const float *w, int n, int k, int bits, int group, co
     else if (!table[i].w) registered++;
     free(table[i].i8);
     table[i] = (qmat){w, n, k, bits, group, (const uint8_t *)q, scales, biases, 0, 0};
-    return 1;
+    return &table[i];
+}
+
+int mlxpipe_qgemv_register(const float *w, int n, int k, int bits, int group, const void *q, const float *scales,
+                           const float *biases) {
+    return mlxpipe_qmatrix(w, n, k, bits, group, q, scales, biases) != 0;
 }
 
 /* Marks w's entries dead (their products go back to the BLAS); the slots stay, so that lookups probe past.
@@ -116,6 +127,13 @@ long mlxpipe_qgemm_int8_halves(void) {
     long count = 0;
     for (unsigned i = 0; i < TABLE; i++) count += table[i].n > 0 && table[i].i8 && table[i].i8_half;
     return count;
+}
+
+/* Value j of a row of `bits`-bit values packed as mlx packs them (a little-endian stream, lowest bits first) */
+static uint32_t value_at(const uint8_t *row, long row_bytes, long j, int bits) {
+    long bit = j * bits, byte = bit / 8;
+    uint32_t word = row[byte] | (byte + 1 < row_bytes ? (uint32_t)row[byte + 1] << 8 : 0);
+    return word >> (bit % 8) & ((1u << bits) - 1);
 }
 
 static const qmat *lookup(const float *w, int n, int k) {
@@ -1112,8 +1130,11 @@ static int i8_runs(void) {
     return (kernels() == 2 && (i8_cpu & 2)) || (kernels() == 1 && (i8_cpu & 1)) ? i8_wanted : 0;
 }
 
+/* The bits a value of W takes in its repacked copy: 4 or 8 (2-, 3-, 5- and 6-bit values in bytes, as 8-bit ones) */
+static int i8_bits(const qmat *m) { return m->bits == 4 ? 4 : 8; }
+
 /* 64-byte registers a group of 16 rows of W takes */
-static int i8_chunks(const qmat *m) { return m->group * m->bits / 32; }
+static int i8_chunks(const qmat *m) { return m->group * i8_bits(m) / 32; }
 static int i8_blocks(const qmat *m) { return (m->n + I8_W - 1) / I8_W * (I8_W / 16); }
 
 /* A word's eight 4-bit values, low first, reordered so that byte j holds values j (low nibble) and j + 4. */
@@ -1144,7 +1165,8 @@ __attribute__((target("f16c"))) static void i8_put(uint8_t *to, long i, int half
  * (in 16 bits where i8_halves, setting m->i8_half: racing packers of m set it alike). */
 static uint8_t *i8_pack(const qmat *m) {
     int n = m->n, groups = m->k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m);
-    long words = (long)m->k * m->bits / 32, wbytes = (long)blocks * groups * chunks * 64;
+    long words = (long)m->k * i8_bits(m) / 32, wbytes = (long)blocks * groups * chunks * 64;
+    long row_bytes = (long)m->k * m->bits / 8;
     long floats = (long)blocks * groups * 16;
     int half = i8_halves(m);
     uint8_t *p = aligned_alloc(64, wbytes + 2 * floats * (half ? 2 : 4));
@@ -1157,7 +1179,9 @@ static uint8_t *i8_pack(const qmat *m) {
             long r = (long)b * 16 + lane;
             for (long wd = 0; wd < words; wd++) { /* word wd of a row: group wd / chunks, register wd % chunks */
                 uint32_t v = 0;
-                if (r < n) memcpy(&v, m->q + (r * words + wd) * 4, 4);
+                if (r < n && m->bits % 4 == 0) memcpy(&v, m->q + (r * words + wd) * 4, 4);
+                else if (r < n) /* 4 values of another width, a byte each */
+                    for (int e = 0; e < 4; e++) v |= value_at(m->q + r * row_bytes, row_bytes, wd * 4 + e, m->bits) << 8 * e;
                 w[((long)b * groups * chunks + wd) * 16 + lane] = m->bits == 4 ? nibbles_apart(v) : v;
             }
             for (int g = 0; g < groups; g++) {
@@ -1593,6 +1617,7 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
 #ifdef X86_AVX512
     int parts = i8_runs();
     const uint8_t *packed = parts ? i8_weights(m) : 0;
+    if (!packed && m->bits != 4 && m->bits != 8) return 0; /* only the integer products take these */
     if (packed) { /* x's bytes where xo was, their scales where xe was */
         i8_quantize_any(m, parts, 1, x, k, (int8_t *)xo, xe, xsum);
         one_rows(m, 0, 0, 0, &(i8_input){packed, (const int8_t *)xo, xe, xsum, parts}, c);
@@ -1837,6 +1862,7 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
         i8_quantize_any(m, parts, M, a, lda, xq, sx, xsum);
         i8.xq = xq, i8.sx = sx, i8.xsum = xsum;
     }
+    if (!i8.w && m->bits != 4 && m->bits != 8) return 0; /* only the integer products take these */
     if (!i8.w && M > AMX_CHUNK && M >= amx_min_rows && m->group == 32) {
         for (int i0 = 0; i0 < M; i0 += AMX_CHUNK) /* a row's sums do not depend on the rows beside it */
             if (!qgemm(m, M - i0 < AMX_CHUNK ? M - i0 : AMX_CHUNK, a + (long)i0 * lda, lda, alpha, c + (long)i0 * ldc,
@@ -2697,4 +2723,59 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
         if (q && qgemm(q, m, a, lda, alpha, c, ldc)) return;
     }
     blas_sgemm(ROW_MAJOR, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+/* ---- The product mlxpipe's mlx operation asks for (kernels.cpp) ----------------------------------------------
+ * c = a W^T for the matrix mlxpipe_qmatrix returned (a: M x k, c: M x n, both packed row-major): W's quantized
+ * bytes are its only copy. With PRODUCT_SWIGLU (W: a gate's rows, then up's) c is silu(gate) * up, M x n / 2.
+ * Returns 0 when memory for scratch ran out (c is then unset: the caller fails the operation). */
+enum { PRODUCT_SWIGLU = 1 };
+long mlxpipe_qproduct_calls, mlxpipe_qproduct_plain_calls;
+
+/* c = a W^T one dequantized row of W at a time, in plain C: where no kernel takes W now (its integer
+ * products turned off since it was registered, say); slow, for correctness alone. */
+static int plain_product(const qmat *m, int M, const float *a, float *c) {
+    float *row = malloc((size_t)m->k * sizeof(float));
+    if (!row) return 0;
+    long row_bytes = (long)m->k * m->bits / 8;
+    int groups = m->k / m->group;
+    for (int r = 0; r < m->n; r++) {
+        const uint8_t *q = m->q + r * row_bytes;
+        for (int j = 0; j < m->k; j++)
+            row[j] = m->scales[(long)r * groups + j / m->group] * (float)value_at(q, row_bytes, j, m->bits) +
+                     m->biases[(long)r * groups + j / m->group];
+        for (int i = 0; i < M; i++) {
+            float t = 0;
+            for (int j = 0; j < m->k; j++) t += a[(long)i * m->k + j] * row[j];
+            c[(long)i * m->n + r] = t;
+        }
+    }
+    free(row);
+    mlxpipe_qproduct_plain_calls++;
+    return 1;
+}
+
+int mlxpipe_qproduct(const void *handle, int M, const float *a, float *c, int flags) {
+    const qmat *m = (const qmat *)handle;
+    float *out = c;
+    if (flags & PRODUCT_SWIGLU) { /* the whole product first, then its SwiGLU packed into c */
+        static __thread float *scratch;
+        static __thread long scratch_len;
+        long need = (long)M * m->n;
+        if (need > scratch_len) {
+            float *grown = realloc(scratch, need * sizeof(float));
+            if (!grown) return 0;
+            scratch = grown, scratch_len = need;
+        }
+        out = scratch;
+    }
+    if (M <= 0) return 1;
+    int ok = M == 1 ? qgemv(m, a, 1, 1.0f, out) : qgemm(m, M, a, m->k, 1.0f, out, m->n);
+    if (!ok && !plain_product(m, M, a, out)) return 0;
+    if (flags & PRODUCT_SWIGLU) {
+        swiglu(M, m->n, out, m->n);
+        memcpy(c, out, (size_t)M * (m->n / 2) * sizeof(float));
+    }
+    mlxpipe_qproduct_calls++;
+    return 1;
 }

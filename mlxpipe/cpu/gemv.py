@@ -74,12 +74,15 @@ __all__ = [
     "install",
     "int8_activations",
     "int8_parts",
+    "product_address",
     "quantized_available",
     "quantized_batch_calls",
     "quantized_calls",
+    "register",
     "share_one_rows",
     "swiglu_available",
     "swiglu_calls",
+    "unregister",
     "use_amx",
     "use_int8",
     "use_threads",
@@ -254,6 +257,42 @@ def attach(weight: Any, q: Any, scales: Any, biases: Any, bits: int, group_size:
         _attached[key] = (weight, q, scales, biases, bits, group_size)
         _held[key] = (qh, sh, bh)
     return bool(ok)
+
+
+def register(q: Any, scales: Any, biases: Any, bits: int, group_size: int) -> tuple[int, int] | None:
+    """Register a quantized matrix (``q``, float32 ``scales`` and ``biases`` as :func:`attach` takes them,
+    held by the caller while registered) for :func:`product_address`'s products, with no float32 matrix:
+    its handle and key (for :func:`unregister`); None where the library, the CPU or the layout does not allow
+    it."""
+    if not quantized_available():
+        return None
+    (qp, _), (sp, sh), (bp, bh) = _view(q, None), _view(scales, "f"), _view(biases, "f")
+    n, k = int(q.shape[0]), int(q.shape[1]) * 32 // bits
+    p = ctypes.c_void_p
+    _shim.mlxpipe_qmatrix.restype = p
+    handle = _shim.mlxpipe_qmatrix(p(qp), n, k, bits, group_size, p(qp), p(sp), p(bp))
+    if not handle:
+        return None
+    _held[(qp, n)] = (q, sh, bh)
+    return int(handle), qp
+
+
+def unregister(keys: list[int], settle: Callable[[], None] = lambda: None) -> None:
+    """Forget the matrices :func:`register` gave these keys (after ``settle``: products may be pending)."""
+    if _shim is None:
+        return
+    for key in keys:
+        _shim.mlxpipe_qgemv_unregister(ctypes.c_void_p(key))
+    settle()
+    _shim.mlxpipe_qgemv_release()
+    for key in keys:
+        for held in [h for h in _held if h[0] == key]:
+            _held.pop(held, None)
+
+
+def product_address() -> int:
+    """The address of gemv.c's ``mlxpipe_qproduct`` (the product :mod:`.kernels`' operation calls)."""
+    return int(ctypes.cast(_shim.mlxpipe_qproduct, ctypes.c_void_p).value or 0)
 
 
 def detach(weights: Any, settle: Callable[[], None] = lambda: None) -> None:

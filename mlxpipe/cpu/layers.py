@@ -37,7 +37,7 @@ from mlx.nn.layers.normalization import RMSNorm
 from mlx.nn.layers.positional_encoding import RoPE
 
 from ..switches import turned_off
-from . import gemv
+from . import gemv, kernels
 from .quantized import FUSED
 
 ENV = "MLXPIPE_CPU_FAST"
@@ -332,8 +332,22 @@ def _fused_transposed(module: Module) -> mx.array:
 
 
 def _project(linear: Any, rows: mx.array) -> mx.array:
-    """``linear`` (an ``nn.Linear``) of a 2-d ``rows``: by its transpose made once, where it has no bias."""
-    out: mx.array = rows @ _transposed(linear) if "bias" not in linear else linear(rows)
+    """``linear`` of a 2-d ``rows``: an ``nn.Linear`` by its transpose made once where it has no bias, any
+    other layer (mlxpipe's kernels' among them) as it computes itself."""
+    plain = isinstance(linear, Linear) and "bias" not in linear
+    out: mx.array = rows @ _transposed(linear) if plain else linear(rows)
+    return out
+
+
+def _fused_product(module: Module, rows: mx.array) -> mx.array:
+    """``rows`` times the transpose of ``module``'s fused matrix (:func:`.quantized.fuse` or
+    :func:`.quantized.to_kernels`)."""
+    whole = module.__dict__[FUSED]
+    out: mx.array = (
+        kernels.product(rows, whole)
+        if isinstance(whole, kernels.Matrix)
+        else rows @ _fused_transposed(module)
+    )
     return out
 
 
@@ -343,11 +357,13 @@ def _fused_mlp(base: type) -> type:
         # The rows as one matrix: a product of a 3-d input is a flatten, the product and an unflatten.
         rows = x.reshape(-1, x.shape[-1])
         gate = self.gate_proj.weight.shape[0]
-        if rows.dtype == mx.float32 and gemv.swiglu_available():  # the SwiGLU too, in the product's call
+        if isinstance(self.__dict__[FUSED], kernels.Matrix):  # the SwiGLU in the kernels' call
+            hidden = kernels.product(rows, self.__dict__[FUSED], swiglu=True)
+        elif rows.dtype == mx.float32 and gemv.swiglu_available():  # the SwiGLU too, in the product's call
             both = mx.addmm(_ZERO, rows, _fused_transposed(self), alpha=gemv.SWIGLU_ALPHA, beta=0.0)
             hidden = both.reshape(-1)[: rows.shape[0] * gate].reshape(-1, gate)  # packed at its start
         else:
-            both = rows @ _fused_transposed(self)  # gate's outputs, then up's
+            both = _fused_product(self, rows)  # gate's outputs, then up's
             hidden = swiglu(both[:, :gate], both[:, gate:])
         return _project(self.down_proj, hidden).reshape(*x.shape[:-1], -1)
 
@@ -385,7 +401,7 @@ def _fast_attention(base: type, fused: bool, cpu_attention: bool) -> type:
         b, length, _ = x.shape
         heads, kv = self.n_heads, self.n_kv_heads
         if fused:  # one product for q, k and v; RoPE turns each head alone: queries' and keys' at once
-            qkv = x.reshape(b * length, -1) @ _fused_transposed(self)  # (see the fused MLP)
+            qkv = _fused_product(self, x.reshape(b * length, -1))  # (see the fused MLP)
             qkv = qkv.reshape(b, length, heads + 2 * kv, -1).transpose(0, 2, 1, 3)
             qk = _rope(self, qkv[:, : heads + kv], cache, length)
             queries, keys, values = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]

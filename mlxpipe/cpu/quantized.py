@@ -13,9 +13,21 @@ from typing import Any
 import mlx.core as mx
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 
-from . import gemv
+from . import gemv, kernels
 
-__all__ = ["FUSED", "QUANTIZED", "attach", "forms", "fuse", "joinable"]
+__all__ = [
+    "FUSED",
+    "MATRIX",
+    "QUANTIZED",
+    "KernelEmbedding",
+    "KernelLinear",
+    "attach",
+    "forms",
+    "fuse",
+    "joinable",
+    "settle",
+    "to_kernels",
+]
 
 QUANTIZED = (QuantizedLinear, QuantizedEmbedding)
 
@@ -114,12 +126,84 @@ def attach(
         if usable and gemv.attach(weight, q, scales, biases, bits, group_size):
             attached.append(weight)
     if attached:
-        weakref.finalize(owner, gemv.detach, attached, lambda: _settle(streams))
+        weakref.finalize(owner, gemv.detach, attached, lambda: settle(streams))
     return len(attached)
 
 
-def _settle(streams: Callable[[], tuple[Any, ...]]) -> None:
+def settle(streams: Callable[[], tuple[Any, ...]]) -> None:
     """Wait for the work mlx has queued on the default stream and ``streams()``."""
     mx.synchronize()
     for stream in streams():
         mx.synchronize(stream)
+
+
+# Attribute of a layer (or of a module whose projections were fused) computed by mlxpipe's kernels: its
+# kernels.Matrix, outside the module's parameters.
+MATRIX = "_matrix"
+
+
+def _kernel_linear_call(self: Any, x: mx.array) -> mx.array:
+    out = kernels.product(x, self.__dict__[MATRIX])
+    return out + self["bias"] if "bias" in self else out
+
+
+def _kernel_as_linear(self: Any, x: mx.array) -> mx.array:
+    return kernels.product(x, self.__dict__[MATRIX])
+
+
+KernelLinear = type(
+    "KernelLinear",
+    (QuantizedLinear,),
+    {"__call__": _kernel_linear_call, "__doc__": "A quantized linear layer computed by mlxpipe's kernels."},
+)
+KernelEmbedding = type(
+    "KernelEmbedding",
+    (QuantizedEmbedding,),
+    {"as_linear": _kernel_as_linear, "__doc__": "A quantized embedding whose tied output layer "
+     "(``as_linear``) is computed by mlxpipe's kernels; its lookups stay mlx's."},
+)  # fmt: skip
+
+
+def to_kernels(
+    model: Any, groups: dict[type, tuple[str, ...]], fuse_groups: bool = True
+) -> tuple[list[Any], list[str]]:
+    """Compute ``model``'s quantized layers by mlxpipe's kernels (:mod:`.kernels`), in place, from their
+    quantized weights alone: the registered matrices, and the layers the kernels do not take (left as
+    mlx's quantized layers, for the caller to dequantize).
+
+    With ``fuse_groups``, the projections ``groups`` names per module class (q, k and v; gate and up) become
+    one matrix (:data:`FUSED` holds its :class:`.kernels.Matrix`), their parts' arrays views of its rows.
+    Floating parameters become float32 (the kernels' products are float32).
+    """
+    found = forms(model)
+    modules = dict(model.named_modules())
+    matrices, refused = [], []
+    for key, names in (joinable(model, found, groups) if fuse_groups else {}).items():
+        parts = [found[n] for n in names]
+        whole = [mx.concatenate([f[i] for f in parts], axis=0) for i in range(3)]
+        mx.eval(whole)
+        matrix = kernels.Matrix.register(whole[0], whole[1], whole[2], parts[0][3], parts[0][4])
+        if matrix is None:
+            continue
+        start = 0
+        for name, form in zip(names, parts, strict=True):  # the parts' arrays: views of the whole's rows
+            views = tuple(w[start : start + form[0].shape[0]] for w in whole)
+            modules[name].update(dict(zip(("weight", "scales", "biases"), views, strict=True)))
+            found[name] = (*views, *form[3:])
+            start += form[0].shape[0]
+        object.__setattr__(modules[key.rpartition(".")[0]], FUSED, matrix)
+        matrices.append(matrix)
+    mx.eval([f[:3] for f in found.values()])
+    for name, (q, scales, biases, bits, group_size) in found.items():
+        # a fused matrix's parts too (views of its rows: no copy), for paths that multiply by one part
+        module = modules[name]
+        matrix = kernels.Matrix.register(q, scales, biases, bits, group_size)
+        if matrix is None:
+            refused.append(name)
+            continue
+        object.__setattr__(module, MATRIX, matrix)
+        module.__class__ = KernelEmbedding if isinstance(module, QuantizedEmbedding) else KernelLinear
+        matrices.append(matrix)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return matrices, refused

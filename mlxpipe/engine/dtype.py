@@ -18,12 +18,12 @@ from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..cpu import blas
+from ..cpu import blas, kernels
 from ..cpu.quantized import QUANTIZED
 from ..errors import ModelError
 from ..interface import DTYPES
 
-__all__ = ["DTYPES", "KeptFile", "accelerator", "apply_dtype", "choose_dtype"]
+__all__ = ["DTYPES", "KeptFile", "accelerator", "apply_dtype", "choose_dtype", "dequantize_layers"]
 
 _FLOATS = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -122,6 +122,8 @@ def choose_dtype(model: Any, requested: str, batch: int = 1) -> tuple[str, str]:
         return half, f"auto on cuda with --batch: {half} weights (quantized matmuls do not batch there)"
     if backend is not None:
         return "quantized", f"auto on {backend}: quantized weights"
+    if is_quantized(model) and kernels.available():
+        return "quantized", "auto on cpu: the quantized weights, by mlxpipe's kernels (no float32 copy)"
     need = parameter_count(model) * 4
     free = available_memory()
     if free is not None and need > free // 2:
@@ -224,6 +226,26 @@ def dequantize(
         mx.eval(list(weights.values()), list(wholes.values()))
         _write(kept_file.path, weights, wholes, {**kept, **joined})
     return model
+
+
+def dequantize_layers(model: Any, names: list[str]) -> None:
+    """Replace the quantized layers ``names`` of ``model`` by float32 ones, in place."""
+    modules = dict(model.named_modules())
+    new = []
+    for name in names:
+        m = modules[name]
+        weight = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, m.mode)
+        if isinstance(m, QuantizedEmbedding):
+            layer: Module = Embedding(*weight.shape)
+        else:
+            layer = Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
+            if "bias" in m:
+                layer.bias = m.bias
+        layer.weight = weight
+        new.append((name, layer))
+    model.update_modules(tree_unflatten(new))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
 
 
 def _rows(whole: Any, names: tuple[str, ...], shapes: Mapping[str, tuple[int, int]]) -> dict[str, Any]:

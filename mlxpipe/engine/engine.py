@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx_lm.models import llama
 
 from .. import models
-from ..cpu import blas, gemv, layers, memory, quantized
+from ..cpu import blas, gemv, kernels, layers, memory, quantized
 from ..errors import ModelError, first_line
 from ..events import Chunk, Done, decode_tps
 from ..records import Record
@@ -29,7 +29,15 @@ from . import loader, sampling
 from .batch import Batch, auto_size
 from .choices import choose
 from .constraints import Constraints
-from .dtype import STORED_VERSION, KeptFile, accelerator, apply_dtype, available_memory, choose_dtype
+from .dtype import (
+    STORED_VERSION,
+    KeptFile,
+    accelerator,
+    apply_dtype,
+    available_memory,
+    choose_dtype,
+    dequantize_layers,
+)
 from .generate import generation_stream, greedy_argmax, stream_generate
 from .prefix import PrefixCache
 from .prompts import Prompts
@@ -107,7 +115,9 @@ class Engine:
         path = models.derived_file(folder, tag)
         kept = (
             KeptFile(path)
-            if path is not None and dtype in ("auto", "float32") and accelerator() is None
+            if path is not None
+            and accelerator() is None
+            and (dtype == "float32" or (dtype == "auto" and not kernels.available()))
             else None
         )
         try:
@@ -115,6 +125,13 @@ class Engine:
         except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds; the user needs one line
             raise _load_error(source.spec, exc, trust_remote_code) from None
         used, reason = choose_dtype(model, dtype, batch)
+        # On a CPU mlxpipe's kernels compute from the quantized weights, the only copy; layers they do not
+        # take are dequantized to float32, as --dtype float32 dequantizes every layer.
+        matrices: list[Any] = []
+        if used == "quantized" and accelerator() is None and kernels.available():
+            matrices, refused = quantized.to_kernels(model, _FUSED, layers.enabled())
+            if refused:
+                dequantize_layers(model, refused)
         # Float32 on a CPU computes from the dequantized weights; one-row products can still read the
         # quantized ones (mlxpipe.cpu.gemv), which the dequantizing would otherwise drop.
         forms = quantized.forms(model) if used == "float32" and gemv.quantized_available() else {}
@@ -130,7 +147,8 @@ class Engine:
         engine = cls(model, tokenizer, source, folder, used, reason)
         if forms and layers.enabled():
             quantized.fuse(engine.model, forms, joined)
-        engine.quantized_rows = quantized.attach(engine, engine.model, forms, _streams)
+        engine.quantized_rows = quantized.attach(engine, engine.model, forms, _streams) + len(matrices)
+        kernels.release_with(engine, matrices, lambda: quantized.settle(_streams))
         # mx.fast's norms and RoPE have no CPU kernels, mlx's CPU exp is slow: on a CPU, compiled stand-ins.
         if accelerator() is None and layers.enabled():
             engine.cpu_fast_paths = layers.apply(engine.model)
@@ -183,7 +201,7 @@ class Engine:
             p
             for room in ("engine", "cpu")
             for p in sorted((here / room).iterdir())
-            if p.suffix in (".py", ".c")
+            if p.suffix in (".py", ".c", ".cpp")
         ]
         files.append(Path(sys.modules[type(self.model).__module__].__file__ or ""))  # mlx-lm's model
         code = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()]

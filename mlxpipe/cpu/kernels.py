@@ -1,0 +1,176 @@
+"""Products by quantized matrices as an mlx operation on a CPU, from the quantized bytes alone.
+
+``kernels.cpp`` defines an mlx operation (a ``Primitive`` with ``eval_cpu``) that hands a product to
+gemv.c's kernels for a matrix registered there (:class:`Matrix`): the model keeps its quantized weights as
+the only copy, and mlx's graph sees the product like any other operation (lazy, ``async_eval``). It is
+compiled once into the cache with the system's C++ compiler against the installed mlx wheel (its headers and
+``libmlx``) and nanobind, which must be the nanobind of that mlx (pinned in the ``cpu`` extra). Without a
+compiler, nanobind or gemv.c's kernels :func:`available` is False, and the engine dequantizes as before.
+``MLXPIPE_KERNELS=off`` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import weakref
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ..errors import first_line
+from ..paths import cache_dir
+from ..switches import setting, turned_off
+from . import gemv
+
+__all__ = ["ENV", "Matrix", "available", "load", "product", "release_with"]
+
+ENV = "MLXPIPE_KERNELS"
+SWIGLU = 1  # gemv.c's PRODUCT_SWIGLU: the product's two halves become silu(gate) * up
+_SOURCE = Path(__file__).with_name("kernels.cpp")
+_NAME = "_mlxpipe_kernels"
+_module: Any = None
+_state: str | None = None  # what load() found, once it has run
+
+
+def load() -> str:
+    """Build (once) and import the operation; what happened, for ``--model-info``. Never raises."""
+    global _module, _state
+    if _state is not None:
+        return _state
+    if turned_off(ENV):
+        _state = f"off ({ENV}={setting(ENV)})"
+    elif not gemv.quantized_available():
+        _state = "not used: gemv.c's quantized kernels do not run here"
+    else:
+        try:
+            _module = _imported(_built())
+            _check(_module)
+            _state = "quantized products by mlxpipe's kernels"
+        except (OSError, ImportError, subprocess.SubprocessError, RuntimeError, TypeError, ValueError) as exc:
+            _module = None
+            _state = f"not built: {first_line(exc)}"
+    return _state
+
+
+def available() -> bool:
+    """Whether products by :class:`Matrix` run here (:func:`load` built and imported the operation)."""
+    load()
+    return _module is not None
+
+
+class Matrix:
+    """A quantized matrix registered with gemv.c's kernels: ``q``, ``scales``, ``biases`` in mlx's affine
+    layout (``w = scales * q + biases`` per group of ``group_size``), n x k. Its arrays are held here (the
+    kernels read them in place) and passed to every product so that mlx keeps them while it is pending."""
+
+    def __init__(self, handle: int, key: int, arrays: tuple[Any, ...], n: int, k: int) -> None:
+        self.handle, self.key, self.arrays, self.n, self.k = handle, key, arrays, n, k
+
+    @classmethod
+    def register(cls, q: Any, scales: Any, biases: Any, bits: int, group_size: int) -> Matrix | None:
+        """The registered matrix; None where the kernels do not take this form (bits, group size)."""
+        if not available():
+            return None
+        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+        mx.eval(q, scales, biases)
+        found = gemv.register(q, scales, biases, bits, group_size)
+        if found is None:
+            return None
+        handle, key = found
+        n, k = int(q.shape[0]), int(q.shape[1]) * 32 // bits
+        return cls(handle, key, (q, scales, biases), n, k)
+
+
+def product(x: mx.array, matrix: Matrix, swiglu: bool = False) -> mx.array:
+    """``x @ W.T`` (float32) for ``matrix`` W; with ``swiglu`` (W: a gate's rows, then up's), ``silu(gate) *
+    up`` of that product, in float32 by :func:`mlxpipe.cpu.layers.swiglu`'s operations."""
+    width = matrix.n // 2 if swiglu else matrix.n
+    out: mx.array = _module.product(
+        x, gemv.product_address(), matrix.handle, width, SWIGLU * swiglu, matrix.arrays
+    )
+    return out
+
+
+def release_with(owner: object, matrices: Iterable[Matrix], settle: Callable[[], None]) -> None:
+    """Unregister ``matrices`` once ``owner`` is gone (after ``settle``: products may still be pending)."""
+    keys = [m.key for m in matrices]
+    if keys:
+        weakref.finalize(owner, gemv.unregister, keys, settle)
+
+
+def _check(module: Any) -> None:
+    """Raise TypeError when the module does not take mlx's arrays (a nanobind of another ABI than mlx's)."""
+    module.product(mx.zeros((1, 1)), 0, 0, 0, 0, [])
+
+
+def _imported(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _built() -> str:
+    """The compiled module's path, compiling it first where this source, mlx and nanobind have not been
+    compiled here yet. Raises OSError when it cannot be built (remembered per compiler, like gemv.c's)."""
+    import nanobind  # a build requirement only: imported here, not at start-up
+
+    mlx_dir = Path(mx.__file__).resolve().parent
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    inputs = (
+        _SOURCE.read_bytes()
+        + f"{getattr(mx, '__version__', '')}:{nanobind.__version__}:{suffix}:{mlx_dir}".encode()
+    )
+    key = hashlib.sha256(inputs).hexdigest()[:16]
+    target = cache_dir() / f"kernels-{key}{suffix}"
+    if target.is_file():
+        return str(target)
+    compiler = shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
+    if compiler is None:
+        raise OSError("no C++ compiler (c++) found")
+    stat = os.stat(compiler)
+    compiler_key = hashlib.sha256(f"{compiler}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    marker = cache_dir() / f"kernels-{key}-{compiler_key}.failed"
+    if marker.is_file():
+        raise OSError(f"{marker.read_text(encoding='utf-8').strip()} (remembered in {marker})")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".kernels-", suffix=suffix)
+    os.close(fd)
+    nb = Path(nanobind.source_dir()).parent
+    lib = mlx_dir / "lib"
+    cmd = [
+        compiler, "-std=c++20", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-DNDEBUG",
+        "-DNB_DOMAIN=mlx",  # mlx's own nanobind domain: the module then takes mlx's arrays
+        f"-I{nanobind.include_dir()}", f"-I{nb / 'ext' / 'robin_map' / 'include'}",
+        f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}",
+        str(_SOURCE), str(Path(nanobind.source_dir()) / "nb_combined.cpp"),
+        f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}", "-o", tmp,
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+        if done.returncode != 0:
+            lines = done.stderr.strip().splitlines()
+            said = next((x for x in lines if "error" in x), lines[0] if lines else f"exit {done.returncode}")
+            message = f"{Path(compiler).name} failed: {said}"
+            marker.write_text(message + "\n", encoding="utf-8")
+            raise OSError(message)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return str(target)
+
+
+if sys.platform != "linux":  # gemv.c's kernels are Linux's (the BLAS they stand before is the Linux wheel's)
+    _state = "not used: not Linux"
