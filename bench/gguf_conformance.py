@@ -97,7 +97,7 @@ def quantize(src: Path, qtype: str) -> Path:
 
     if qtype == "F32":
         return src
-    dst = src.with_name(src.name.replace("-F32", f"-{qtype}"))
+    dst = src.with_name(src.name.replace("-F32", f"-{qtype}").replace("-F16", f"-{qtype}"))
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}")
     params.nthread = 2

@@ -1,6 +1,7 @@
 """mlxpipe against llama.cpp on the same GGUF file, measured side by side in one run.
 
     python bench/vs_llamacpp.py [--threads 2] [--max-tokens 128] [--batch 16,64] [--rounds 3]
+                                [--model SPEC] [--gguf FILE]
 
 Both engines get the same prompt token ids (the embedded model's chat template, applied by mlxpipe) and greedy
 decoding. llama.cpp gets ``--threads`` (n_threads/n_threads_batch, 2 = this machine's cores); mlxpipe runs
@@ -33,6 +34,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 PROMPTS = [
@@ -286,6 +288,8 @@ def main() -> int:
         "--batch", default="16", help="comma-separated records generated together, one run each (0: skip)"
     )
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--model", help="mlxpipe's model (default: the embedded one)")
+    parser.add_argument("--gguf", help="llama.cpp's GGUF file (default: --model's, or the embedded one)")
     parser.add_argument(
         "--rounds", type=int, default=3, help="single-stream rounds, the two engines alternating (default 3)"
     )
@@ -297,10 +301,10 @@ def main() -> int:
     from mlxpipe.engine import Engine
     from mlxpipe.records import Settings
 
-    gguf = models.resolve(None).path
+    gguf = Path(args.gguf) if args.gguf else models.resolve(args.model).path
     assert gguf is not None
     settings = Settings(max_tokens=args.max_tokens, temperature=0.0)
-    engine = Engine.load(None, dtype=args.dtype)
+    engine = Engine.load(args.model, dtype=args.dtype)
     info = engine.info()
     blas_threads = os.environ.get("OPENBLAS_NUM_THREADS", "mlxpipe's default")
     print(f"model: {gguf.name}   llama.cpp threads: {args.threads}   OpenBLAS threads: {blas_threads}")

@@ -1120,6 +1120,18 @@ enum { I8_W = 32, I8_AHEAD = 16384 }; /* a tile's rows of W (two registers of 16
 static int i8_cpu = -1;
 
 /* the parts that run here: i8_wanted where the CPU has VNNI (AVX-512's, or AVX-VNNI beside AVX2), else 0 */
+static int i8_runs(void);
+/* the parts m's products take: i8_runs(), or two where m's packed copy is its only one (mlxpipe_qmatrix_pack) */
+static int i8_parts_for(const qmat *m) {
+    int parts = i8_runs();
+    if (parts || m->q) return parts;
+    int wanted = i8_wanted;
+    i8_wanted = 2;
+    parts = i8_runs();
+    i8_wanted = wanted;
+    return parts;
+}
+
 static int i8_runs(void) {
     if (i8_cpu < 0) {
         unsigned a = 0, b, c, d;
@@ -1615,7 +1627,7 @@ static int qgemv(const qmat *m, const float *a, int inc_a, float alpha, float *c
     float *x = scratch, *xe = x + k, *xo = xe + k / 2, *xsum = xo + k / 2;
     for (int j = 0; j < k; j++) x[j] = a[(long)j * inc_a];
 #ifdef X86_AVX512
-    int parts = i8_runs();
+    int parts = i8_parts_for(m);
     const uint8_t *packed = parts ? i8_weights(m) : 0;
     if (!packed && m->bits != 4 && m->bits != 8) return 0; /* only the integer products take these */
     if (packed) { /* x's bytes where xo was, their scales where xe was */
@@ -1846,7 +1858,7 @@ enum { SHARED_MIN = 1 << 21 }; /* multiply-adds worth waking the helper for (a 5
 static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, float *c, int ldc) {
 #ifdef X86_AVX512
     enum { AMX_CHUNK = 256 }; /* rows of A packed at a time (a prompt's product can have thousands) */
-    int parts = i8_runs();
+    int parts = i8_parts_for(m);
     i8_input i8 = {parts ? i8_weights(m) : 0, 0, 0, 0, parts};
     if (i8.w) { /* A quantized once for every stretch, of both threads */
         static __thread float *quantized;
@@ -2735,6 +2747,7 @@ long mlxpipe_qproduct_calls, mlxpipe_qproduct_plain_calls;
 /* c = a W^T one dequantized row of W at a time, in plain C: where no kernel takes W now (its integer
  * products turned off since it was registered, say); slow, for correctness alone. */
 static int plain_product(const qmat *m, int M, const float *a, float *c) {
+    if (!m->q) return 0; /* (its packed copy alone: the integer products always take it) */
     float *row = malloc((size_t)m->k * sizeof(float));
     if (!row) return 0;
     long row_bytes = (long)m->k * m->bits / 8;
@@ -2778,4 +2791,19 @@ int mlxpipe_qproduct(const void *handle, int M, const float *a, float *c, int fl
     }
     mlxpipe_qproduct_calls++;
     return 1;
+}
+
+/* Makes the packed copy of the matrix mlxpipe_qmatrix returned now, for the integer products (where they
+ * run); then, with `only`, forgets its source arrays: the caller may free them, its products read the copy
+ * alone (with two 8-bit parts when MLXPIPE_INT8 turns them off). 1 when the copy was made. */
+int mlxpipe_qmatrix_pack(void *handle, int only) {
+#ifdef X86_AVX512
+    qmat *m = (qmat *)handle;
+    if (!i8_runs() || !i8_weights(m)) return 0;
+    if (only) m->q = 0, m->scales = m->biases = 0;
+    return 1;
+#else
+    (void)handle, (void)only;
+    return 0;
+#endif
 }

@@ -74,6 +74,7 @@ __all__ = [
     "install",
     "int8_activations",
     "int8_parts",
+    "pack",
     "product_address",
     "quantized_available",
     "quantized_batch_calls",
@@ -275,6 +276,13 @@ def register(q: Any, scales: Any, biases: Any, bits: int, group_size: int) -> tu
         return None
     _held[(qp, n)] = (q, sh, bh)
     return int(handle), qp
+
+
+def pack(handle: int, only: bool) -> bool:
+    """Make the packed copy of a :func:`register`-ed matrix now, for the integer products; with ``only``
+    the library then forgets its source arrays (the caller may free them: its products read the copy
+    alone). False, nothing changed, where the integer products do not run."""
+    return _shim is not None and bool(_shim.mlxpipe_qmatrix_pack(ctypes.c_void_p(handle), int(only)))
 
 
 def unregister(keys: list[int], settle: Callable[[], None] = lambda: None) -> None:

@@ -31,7 +31,7 @@ from ..paths import cache_dir
 from ..switches import setting, turned_off
 from . import gemv
 
-__all__ = ["ENV", "Matrix", "available", "load", "product", "release_with"]
+__all__ = ["ENV", "Matrix", "Part", "available", "load", "product", "release_with"]
 
 ENV = "MLXPIPE_KERNELS"
 SWIGLU = 1  # gemv.c's PRODUCT_SWIGLU: the product's two halves become silu(gate) * up
@@ -89,10 +89,28 @@ class Matrix:
         n, k = int(q.shape[0]), int(q.shape[1]) * 32 // bits
         return cls(handle, key, (q, scales, biases), n, k)
 
+    def pack_only(self) -> bool:
+        """Make the kernels' packed copy of this matrix its only one, where the integer products run: the
+        source arrays are let go (the caller frees its own). Whether it did."""
+        if not gemv.pack(self.handle, only=True):
+            return False
+        self.arrays = ()
+        return True
 
-def product(x: mx.array, matrix: Matrix, swiglu: bool = False) -> mx.array:
+
+class Part:
+    """Rows ``start`` to ``stop`` of a registered matrix (a fused projection's part): its products are those
+    rows of the whole's, the same numbers (each row's sums depend on that row alone)."""
+
+    def __init__(self, whole: Matrix, start: int, stop: int) -> None:
+        self.whole, self.start, self.stop = whole, start, stop
+
+
+def product(x: mx.array, matrix: Matrix | Part, swiglu: bool = False) -> mx.array:
     """``x @ W.T`` (float32) for ``matrix`` W; with ``swiglu`` (W: a gate's rows, then up's), ``silu(gate) *
     up`` of that product, in float32 by :func:`mlxpipe.cpu.layers.swiglu`'s operations."""
+    if isinstance(matrix, Part):
+        return product(x, matrix.whole)[..., matrix.start : matrix.stop]
     width = matrix.n // 2 if swiglu else matrix.n
     out: mx.array = _module.product(
         x, gemv.product_address(), matrix.handle, width, SWIGLU * swiglu, matrix.arrays

@@ -142,6 +142,12 @@ def settle(streams: Callable[[], tuple[Any, ...]]) -> None:
 MATRIX = "_matrix"
 
 
+def _placeholder(array: mx.array) -> mx.array:
+    """An array of ``array``'s shape and dtype that takes no memory (one zero, broadcast): what a layer keeps
+    of a matrix whose kernels' packed copy is the only one."""
+    return mx.broadcast_to(mx.zeros((1,) * array.ndim, dtype=array.dtype), array.shape)
+
+
 def _kernel_linear_call(self: Any, x: mx.array) -> mx.array:
     out = kernels.product(x, self.__dict__[MATRIX])
     return out + self["bias"] if "bias" in self else out
@@ -172,12 +178,17 @@ def to_kernels(
     mlx's quantized layers, for the caller to dequantize).
 
     With ``fuse_groups``, the projections ``groups`` names per module class (q, k and v; gate and up) become
-    one matrix (:data:`FUSED` holds its :class:`.kernels.Matrix`), their parts' arrays views of its rows.
+    one matrix (:data:`FUSED` holds its :class:`.kernels.Matrix`); each part computes as its rows of it
+    (:class:`.kernels.Part`).
     Floating parameters become float32 (the kernels' products are float32).
     """
     found = forms(model)
     modules = dict(model.named_modules())
     matrices, refused = [], []
+    model.set_dtype(mx.float32)
+    # Where the integer products run, each matrix's packed copy (made now) is its only one: the layer keeps
+    # placeholders of its arrays' shapes (an embedding keeps its arrays: mlx looks its rows up).
+    lean = gemv.int8_activations() > 0
     for key, names in (joinable(model, found, groups) if fuse_groups else {}).items():
         parts = [found[n] for n in names]
         whole = [mx.concatenate([f[i] for f in parts], axis=0) for i in range(3)]
@@ -185,25 +196,35 @@ def to_kernels(
         matrix = kernels.Matrix.register(whole[0], whole[1], whole[2], parts[0][3], parts[0][4])
         if matrix is None:
             continue
+        only = lean and matrix.pack_only()
         start = 0
         for name, form in zip(names, parts, strict=True):  # the parts' arrays: views of the whole's rows
-            views = tuple(w[start : start + form[0].shape[0]] for w in whole)
-            modules[name].update(dict(zip(("weight", "scales", "biases"), views, strict=True)))
-            found[name] = (*views, *form[3:])
-            start += form[0].shape[0]
+            stop = start + form[0].shape[0]
+            arrays = [
+                _placeholder(a) if only else w[start:stop] for a, w in zip(form[:3], whole, strict=True)
+            ]
+            modules[name].update(dict(zip(("weight", "scales", "biases"), arrays, strict=True)))
+            object.__setattr__(modules[name], MATRIX, kernels.Part(matrix, start, stop))
+            modules[name].__class__ = KernelLinear
+            del found[name]
+            start = stop
         object.__setattr__(modules[key.rpartition(".")[0]], FUSED, matrix)
         matrices.append(matrix)
-    mx.eval([f[:3] for f in found.values()])
-    for name, (q, scales, biases, bits, group_size) in found.items():
-        # a fused matrix's parts too (views of its rows: no copy), for paths that multiply by one part
+        del parts, whole
+    for name in list(found):
+        q, scales, biases, bits, group_size = found.pop(name)
         module = modules[name]
         matrix = kernels.Matrix.register(q, scales, biases, bits, group_size)
         if matrix is None:
             refused.append(name)
             continue
+        embedding = isinstance(module, QuantizedEmbedding)
+        if lean and not embedding and matrix.pack_only():
+            module.update({k: _placeholder(module[k]) for k in ("weight", "scales", "biases")})
         object.__setattr__(module, MATRIX, matrix)
-        module.__class__ = KernelEmbedding if isinstance(module, QuantizedEmbedding) else KernelLinear
+        module.__class__ = KernelEmbedding if embedding else KernelLinear
         matrices.append(matrix)
-    model.set_dtype(mx.float32)
+        del q, scales, biases
     mx.eval(model.parameters())
+    mx.clear_cache()  # the source arrays let go: back to the system, not kept in mlx's cache
     return matrices, refused

@@ -135,7 +135,7 @@ class Engine:
         # Float32 on a CPU computes from the dequantized weights; one-row products can still read the
         # quantized ones (mlxpipe.cpu.gemv), which the dequantizing would otherwise drop.
         forms = quantized.forms(model) if used == "float32" and gemv.quantized_available() else {}
-        stored = kept if kept is not None or path is None else KeptFile(path)
+        stored = (kept or KeptFile(path)) if used == "float32" and path is not None else None
         tokenizing.start()  # its file is parsed while mlx reads or computes the weights
         # joined as one matrix while dequantizing: fusing them afterwards would copy them
         joined = quantized.joinable(model, forms, _FUSED) if forms and layers.enabled() else {}
