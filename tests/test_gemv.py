@@ -441,11 +441,20 @@ def test_one_row_products_shared_with_the_helper_are_the_ones_computed_alone(
     shim.mlxpipe_qgemv_shared_us(default_us)
 
 
+@pytest.fixture(scope="module")
+def float32_engine() -> Any:
+    """The embedded model dequantized to float32 (``--dtype float32``), its matrices attached."""
+    from mlxpipe.engine import Engine
+
+    return Engine.load(dtype="float32")
+
+
 @pytest.mark.model
-def test_the_embedded_models_one_row_products_read_its_quantized_weights(engine: Any) -> None:
+def test_the_embedded_models_one_row_products_read_its_quantized_weights(float32_engine: Any) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    engine = float32_engine
     if not engine.quantized_rows:
         assert engine.dtype != "float32" or not gemv.quantized_available()
         pytest.skip("no quantized one-row products here (a GPU, or a CPU without AVX-512)")
@@ -797,3 +806,36 @@ def test_avx_vnni_products_are_the_avx512_ones_to_the_last_bit(openblas: Any) ->
         shim.mlxpipe_qgemv_avx2(0)
         shim.mlxpipe_qgemm_int8(0)
         shim.mlxpipe_qgemm_threads(1)
+
+
+@pytest.mark.model
+def test_the_kernels_compute_the_embedded_model_from_its_quantized_weights_alone(
+    engine: Any, float32_engine: Any
+) -> None:
+    # --dtype auto on a CPU: every matrix by mlxpipe's mlx operation, its packed copy the only one; the logits
+    # as the float32 model's within the integer products' error, the same greedy pick.
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxpipe.cpu import kernels, quantized
+
+    if engine.dtype != "quantized" or not kernels.available():
+        pytest.skip("mlxpipe's kernels do not run here (a GPU, a CPU without AVX-512 or AVX2, no compiler)")
+    layer = engine.model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj.__dict__[quantized.MATRIX], kernels.Matrix)
+    if gemv.int8_activations():  # the packed copy is the only one: neither the layer nor the matrix holds any
+        assert layer.mlp.down_proj.__dict__[quantized.MATRIX].arrays == ()
+    tokens = mx.array(
+        [engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")]
+    )
+
+    def last_logits(model: Any) -> Any:
+        cache = make_prompt_cache(model)
+        mx.eval(model(tokens[:, :-1], cache=cache))  # several rows, then one
+        out = model(tokens[:, -1:], cache=cache)[0, -1]
+        mx.eval(out)
+        return out
+
+    ours, plain = last_logits(engine.model), last_logits(float32_engine.model)
+    assert (mx.abs(ours - plain).max() < 1e-3 * mx.abs(plain).max()).item()
+    assert mx.argmax(ours).item() == mx.argmax(plain).item()

@@ -69,15 +69,15 @@ void mlxpipe_qgemm_max_rows(int rows) { qgemm_max_rows = rows; }
 static unsigned slot_of(const float *w) { return (unsigned)(((uintptr_t)w >> 6) * 2654435761u) & (TABLE - 1); }
 
 int mlxpipe_qgemv_available(void);
-int mlxpipe_qgemm_int8(int parts);
+static int integer_products(void);
 
 /* Registers W (key w, n x k) and returns its entry, which stays where it is (a handle for mlxpipe_qproduct);
  * 0 when the CPU or the layout has no kernel. */
-void *mlxpipe_qmatrix(const float *w, int n, int k, int bits, int group, const void *q, const float *scales,
-                      const float *biases) {
+static qmat *enter(const float *w, int n, int k, int bits, int group, const void *q, const float *scales,
+                   const float *biases) {
     /* 2, 3, 5 and 6 bits: the integer products only (their copy repacked in bytes) */
     int wide = bits == 2 || bits == 3 || bits == 5 || bits == 6;
-    if (!mlxpipe_qgemv_available() || !(bits == 4 || bits == 8 || (wide && mlxpipe_qgemm_int8(-1))) || group % 32 ||
+    if (!mlxpipe_qgemv_available() || !(bits == 4 || bits == 8 || (wide && integer_products())) || group % 32 ||
         k % group || registered >= TABLE / 2)
         return 0;
     unsigned i = slot_of(w), dead = TABLE;
@@ -91,9 +91,16 @@ void *mlxpipe_qmatrix(const float *w, int n, int k, int bits, int group, const v
     return &table[i];
 }
 
+/* (enter, not the exported functions, from inside: a second copy of this library calling its own exported
+ * functions would reach the first copy's, which is global) */
+void *mlxpipe_qmatrix(const float *w, int n, int k, int bits, int group, const void *q, const float *scales,
+                      const float *biases) {
+    return enter(w, n, k, bits, group, q, scales, biases);
+}
+
 int mlxpipe_qgemv_register(const float *w, int n, int k, int bits, int group, const void *q, const float *scales,
                            const float *biases) {
-    return mlxpipe_qmatrix(w, n, k, bits, group, q, scales, biases) != 0;
+    return enter(w, n, k, bits, group, q, scales, biases) != 0;
 }
 
 /* Marks w's entries dead (their products go back to the BLAS); the slots stay, so that lookups probe past.
@@ -1578,6 +1585,14 @@ static void i8_rows_any(const qmat *m, const i8_input *in, int M, float *c, int 
 
 /* Products by attached matrices from activations in `parts` 8-bit parts where the CPU has VNNI (1
  * or 2; 0: the float32 kernels everywhere; -1: as they are); the parts that run. */
+static int integer_products(void) {
+#ifdef X86_AVX512
+    return i8_runs();
+#else
+    return 0;
+#endif
+}
+
 int mlxpipe_qgemm_int8(int parts) {
     if (parts >= 0) i8_wanted = parts > 2 ? 2 : parts;
 #ifdef X86_AVX512

@@ -267,22 +267,33 @@ def register(q: Any, scales: Any, biases: Any, bits: int, group_size: int) -> tu
     it."""
     if not quantized_available():
         return None
-    (qp, _), (sp, sh), (bp, bh) = _view(q, None), _view(scales, "f"), _view(biases, "f")
+    (qp, qh), (sp, sh), (bp, bh) = _view(q, None), _view(scales, "f"), _view(biases, "f")
     n, k = int(q.shape[0]), int(q.shape[1]) * 32 // bits
+    global _keys
+    _keys += 1
+    key = _keys << 6  # its own: an address freed and taken again by another array must not name it
     p = ctypes.c_void_p
     _shim.mlxpipe_qmatrix.restype = p
-    handle = _shim.mlxpipe_qmatrix(p(qp), n, k, bits, group_size, p(qp), p(sp), p(bp))
+    handle = _shim.mlxpipe_qmatrix(p(key), n, k, bits, group_size, p(qp), p(sp), p(bp))
     if not handle:
         return None
-    _held[(qp, n)] = (q, sh, bh)
-    return int(handle), qp
+    _held[(key, n)] = (qh, sh, bh)
+    return int(handle), key
 
 
-def pack(handle: int, only: bool) -> bool:
-    """Make the packed copy of a :func:`register`-ed matrix now, for the integer products; with ``only``
-    the library then forgets its source arrays (the caller may free them: its products read the copy
-    alone). False, nothing changed, where the integer products do not run."""
-    return _shim is not None and bool(_shim.mlxpipe_qmatrix_pack(ctypes.c_void_p(handle), int(only)))
+_keys = 0  # keys given to registered matrices (multiples of 64 below any real array's address)
+
+
+def pack(handle: int, key: int, only: bool) -> bool:
+    """Make the packed copy of a :func:`register`-ed matrix (``handle``, ``key``) now, for the integer
+    products; with ``only`` the library then forgets its source arrays and lets them go (its products read
+    the copy alone). False, nothing changed, where the integer products do not run."""
+    if _shim is None or not _shim.mlxpipe_qmatrix_pack(ctypes.c_void_p(handle), int(only)):
+        return False
+    if only:
+        for held in [h for h in _held if h[0] == key]:
+            _held.pop(held, None)
+    return True
 
 
 def unregister(keys: list[int], settle: Callable[[], None] = lambda: None) -> None:

@@ -80,7 +80,7 @@ class Matrix:
         """The registered matrix; None where the kernels do not take this form (bits, group size)."""
         if not available():
             return None
-        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)  # (float32: the C side's)
         mx.eval(q, scales, biases)
         found = gemv.register(q, scales, biases, bits, group_size)
         if found is None:
@@ -92,7 +92,7 @@ class Matrix:
     def pack_only(self) -> bool:
         """Make the kernels' packed copy of this matrix its only one, where the integer products run: the
         source arrays are let go (the caller frees its own). Whether it did."""
-        if not gemv.pack(self.handle, only=True):
+        if not gemv.pack(self.handle, self.key, only=True):
             return False
         self.arrays = ()
         return True

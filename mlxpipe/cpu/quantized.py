@@ -32,18 +32,20 @@ __all__ = [
 QUANTIZED = (QuantizedLinear, QuantizedEmbedding)
 
 
-def forms(model: Any) -> dict[str, tuple[Any, ...]]:
+def forms(model: Any, cast: bool = True) -> dict[str, tuple[Any, ...]]:
     """Each affine-quantized layer's (packed weight, float32 scales, float32 biases, bits, group size).
 
     Casts the layers' scales and biases to float32 in place: the engine dequantizes from those (its own cast
-    is then free: the same dtype gives the same array).
+    is then free: the same dtype gives the same array). Without ``cast``, they are as the layer has them.
     """
     found = {}
     for name, m in model.named_modules():
         if isinstance(m, QUANTIZED) and getattr(m, "mode", "affine") == "affine" and "biases" in m:
-            m.update({k: m[k].astype(mx.float32) for k in ("scales", "biases")})
+            if cast:
+                m.update({k: m[k].astype(mx.float32) for k in ("scales", "biases")})
             found[name] = (m.weight, m["scales"], m["biases"], m.bits, m.group_size)
-    mx.eval([f[:3] for f in found.values()])
+    if cast:
+        mx.eval([f[:3] for f in found.values()])
     return found
 
 
@@ -182,10 +184,9 @@ def to_kernels(
     (:class:`.kernels.Part`).
     Floating parameters become float32 (the kernels' products are float32).
     """
-    found = forms(model)
+    found = forms(model, cast=False)  # each cast to float32 as it is registered: less memory at once
     modules = dict(model.named_modules())
     matrices, refused = [], []
-    model.set_dtype(mx.float32)
     # Where the integer products run, each matrix's packed copy (made now) is its only one: the layer keeps
     # placeholders of its arrays' shapes (an embedding keeps its arrays: mlx looks its rows up).
     lean = gemv.int8_activations() > 0
@@ -200,9 +201,8 @@ def to_kernels(
         start = 0
         for name, form in zip(names, parts, strict=True):  # the parts' arrays: views of the whole's rows
             stop = start + form[0].shape[0]
-            arrays = [
-                _placeholder(a) if only else w[start:stop] for a, w in zip(form[:3], whole, strict=True)
-            ]
+            held = matrix.arrays or whole  # (float32 scales and biases while the matrix holds them)
+            arrays = [_placeholder(a) if only else w[start:stop] for a, w in zip(form[:3], held, strict=True)]
             modules[name].update(dict(zip(("weight", "scales", "biases"), arrays, strict=True)))
             object.__setattr__(modules[name], MATRIX, kernels.Part(matrix, start, stop))
             modules[name].__class__ = KernelLinear
@@ -211,6 +211,7 @@ def to_kernels(
         object.__setattr__(modules[key.rpartition(".")[0]], FUSED, matrix)
         matrices.append(matrix)
         del parts, whole
+        mx.clear_cache()  # what was let go, for the next packed copies (malloc's)
     for name in list(found):
         q, scales, biases, bits, group_size = found.pop(name)
         module = modules[name]
@@ -221,10 +222,14 @@ def to_kernels(
         embedding = isinstance(module, QuantizedEmbedding)
         if lean and not embedding and matrix.pack_only():
             module.update({k: _placeholder(module[k]) for k in ("weight", "scales", "biases")})
+        else:  # the layer and the kernels read the same arrays (float32 scales and biases)
+            module.update(dict(zip(("weight", "scales", "biases"), matrix.arrays, strict=True)))
         object.__setattr__(module, MATRIX, matrix)
         module.__class__ = KernelEmbedding if embedding else KernelLinear
         matrices.append(matrix)
         del q, scales, biases
+        mx.clear_cache()
+    model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     mx.clear_cache()  # the source arrays let go: back to the system, not kept in mlx's cache
     return matrices, refused

@@ -125,21 +125,22 @@ class Engine:
         except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds; the user needs one line
             raise _load_error(source.spec, exc, trust_remote_code) from None
         used, reason = choose_dtype(model, dtype, batch)
-        # On a CPU mlxpipe's kernels compute from the quantized weights, the only copy; layers they do not
-        # take are dequantized to float32, as --dtype float32 dequantizes every layer.
-        matrices: list[Any] = []
-        if used == "quantized" and accelerator() is None and kernels.available():
-            matrices, refused = quantized.to_kernels(model, _FUSED, layers.enabled())
-            if refused:
-                dequantize_layers(model, refused)
         # Float32 on a CPU computes from the dequantized weights; one-row products can still read the
         # quantized ones (mlxpipe.cpu.gemv), which the dequantizing would otherwise drop.
         forms = quantized.forms(model) if used == "float32" and gemv.quantized_available() else {}
         stored = (kept or KeptFile(path)) if used == "float32" and path is not None else None
         tokenizing.start()  # its file is parsed while mlx reads or computes the weights
+        # On a CPU mlxpipe's kernels compute from the quantized weights, the only copy (read from the file a
+        # layer at a time); layers they do not take are dequantized, as --dtype float32 dequantizes all.
+        matrices: list[Any] = []
+        if used == "quantized" and accelerator() is None and kernels.available():
+            matrices, refused = quantized.to_kernels(model, _FUSED, layers.enabled())
+            if refused:
+                dequantize_layers(model, refused)
         # joined as one matrix while dequantizing: fusing them afterwards would copy them
         joined = quantized.joinable(model, forms, _FUSED) if forms and layers.enabled() else {}
         model = apply_dtype(model, used, stored, joined)
+        mx.eval(model.parameters())  # (the loader's are read lazily)
         try:
             tokenizer = tokenizing.result()
         except Exception as exc:

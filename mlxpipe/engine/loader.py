@@ -66,8 +66,9 @@ _defer_mlx_lm()
 
 
 def load(folder: str, trust_remote_code: bool = False) -> tuple[Any, Tokenizing]:
-    """``folder``'s model (weights evaluated) and its tokenizer's loading, for the caller to start when it
-    is about to wait on mlx (see :class:`Tokenizing`); raises what ``mlx_lm.load`` raises."""
+    """``folder``'s model (its weights read lazily from mlxpipe's own folders: the caller evaluates them) and
+    its tokenizer's loading, for the caller to start when it is about to wait on mlx (see
+    :class:`Tokenizing`); raises what ``mlx_lm.load`` raises."""
     root = Path(folder)
     loaded = _load_plain(root)
     if loaded is None:
@@ -164,8 +165,7 @@ def _load_plain(root: Path) -> tuple[Any, dict[str, Any]] | None:
         )
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
-    mx.eval(model.parameters())
-    return model, config
+    return model, config  # its weights read from the file when first evaluated
 
 
 def _quantized_layers(
