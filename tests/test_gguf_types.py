@@ -198,15 +198,19 @@ def test_embedded_q4_1_and_q8_0_bit_exact_with_mx_load(tmp_path: Path) -> None:
     )
 
 
-def test_other_bit_widths_fall_back_from_the_one_row_kernels() -> None:
+def test_other_bit_widths_take_the_integer_products_only() -> None:
     from mlxpipe.cpu import gemv
 
     w = np.zeros((64, 128), np.float32)
-    q = np.zeros((64, 128 * 5 // 32), np.uint32)
     s = np.ones((64, 4), np.float32)
-    # 5-, 6- and 3-bit forms are never registered: their products stay on the float path.
+    # 3-, 5- and 6-bit forms are registered where the integer products run (their copy repacked in bytes),
+    # else never: their products stay on the float path.
     for bits in (3, 5, 6):
-        assert gemv.attach(w, q, s, s, bits, 32) is False
+        q = np.zeros((64, 128 * bits // 32), np.uint32)
+        registered = gemv.attach(w, q, s, s, bits, 32)
+        assert registered is (gemv.int8_activations() > 0)
+        if registered:
+            gemv.detach([w])
 
 
 def test_unknown_type_is_one_line(tmp_path: Path) -> None:

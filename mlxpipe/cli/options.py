@@ -371,7 +371,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--dtype",),
         "model",
-        "Weights' type for computing (default: auto): auto picks the fastest per backend (on a CPU "
+        "Weights' type for computing (default: auto): auto picks the fastest per backend (on a Linux CPU "
+        "a quantized model's own weights, computed by mlxpipe's kernels with no float32 copy; else on a CPU "
         "float32 when memory allows, with an optimized BLAS on Linux; on CUDA with --batch the model's own "
         "16-bit type (float16 for a GGUF) when GPU memory allows; otherwise on a GPU the quantized weights "
         "as loaded, computing in that 16-bit type).",

@@ -66,8 +66,15 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
             byte |= q[:, k::per] << (k * bits)
         words: np.ndarray = np.ascontiguousarray(byte).view("<u4")
         return words
-    stream = ((q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(rows, cols * bits)
-    packed: np.ndarray = np.packbits(stream, axis=-1, bitorder="little").view("<u4")
+    # 3, 5, 6 bits: `per` values fill whole bytes (8 of 3 or 5 bits, 4 of 6), gathered in a uint64 each
+    per = 8 // int(np.gcd(8, bits))
+    wide = np.uint32 if per * bits <= 32 else np.uint64
+    gathered = q[:, 0::per].astype(wide)
+    for k in range(1, per):
+        gathered |= q[:, k::per].astype(wide) << wide(k * bits)
+    nbytes, size = per * bits // 8, np.dtype(wide).itemsize
+    stream = gathered.astype(f"<u{size}").view(np.uint8).reshape(rows, cols // per, size)[..., :nbytes]
+    packed: np.ndarray = np.ascontiguousarray(stream).reshape(rows, cols * bits // 8).view("<u4")
     return packed
 
 

@@ -1,0 +1,87 @@
+"""mlxpipe's mlx operation (mlxpipe.cpu.kernels): products by quantized matrices from their quantized
+bytes, against mlx's own ``quantized_matmul`` on the same arrays, at every width and group size the
+converter writes."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from mlxpipe.cpu import gemv, kernels  # before mlx: the BLAS and the library come first
+
+mx: Any = pytest.importorskip("mlx.core")
+
+
+@pytest.fixture(autouse=True)
+def _integer_products_as_asked() -> Iterator[None]:
+    if not kernels.available():
+        pytest.skip("mlxpipe's kernels do not run here")
+    yield
+    gemv.use_int8(gemv.int8_parts())
+
+
+def _matrix(n: int, k: int, bits: int, group: int, seed: int) -> tuple[Any, ...]:
+    mx.random.seed(seed)
+    return tuple(mx.quantize(mx.random.normal((n, k)) * 0.05, group, bits))
+
+
+def _reference(
+    x: mx.array, q: mx.array, scales: mx.array, biases: mx.array, bits: int, group: int
+) -> mx.array:
+    f32 = mx.float32
+    return mx.quantized_matmul(x, q, scales.astype(f32), biases.astype(f32), True, group, bits)
+
+
+def _close(ours: Any, want: Any) -> bool:
+    # two 8-bit parts an activation: within ~1e-4 of a product's largest value (the float32 kernels: closer)
+    return bool((mx.abs(ours - want).max() <= 2e-4 * mx.abs(want).max()).item())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_every_width_and_group_matches_mlxs_quantized_matmul(bits: int, group: int) -> None:
+    q, scales, biases = _matrix(96, 256, bits, group, seed=bits * group)
+    matrix = kernels.Matrix.register(q, scales, biases, bits, group)
+    if matrix is None:
+        assert bits not in (4, 8) and not gemv.int8_activations()  # other widths: the integer products only
+        pytest.skip("no integer products here: other widths than 4 and 8 bits are not registered")
+    for rows in (1, 3, 17, 64):  # one row, a few, and a batch's
+        x = mx.random.normal((rows, 256))
+        assert _close(kernels.product(x, matrix), _reference(x, q, scales, biases, bits, group)), rows
+    x = mx.random.normal((2, 5, 256))  # leading axes kept, a strided input made contiguous
+    want = _reference(x, q, scales, biases, bits, group)
+    assert kernels.product(x, matrix).shape == (2, 5, 96)
+    assert _close(kernels.product(x.transpose(1, 0, 2), matrix), want.transpose(1, 0, 2))
+
+
+def test_a_fused_gate_and_up_gives_the_swiglu_of_its_halves() -> None:
+    q, scales, biases = _matrix(256, 128, 4, 32, seed=1)
+    matrix = kernels.Matrix.register(q, scales, biases, 4, 32)
+    assert matrix is not None
+    x = mx.random.normal((5, 128))
+    both = _reference(x, q, scales, biases, 4, 32)
+    gate, up = both[:, :128], both[:, 128:]
+    assert _close(kernels.product(x, matrix, swiglu=True), gate * mx.sigmoid(gate) * up)
+    part = kernels.Part(matrix, 128, 256)  # a fused projection's part: its rows of the whole's product
+    assert mx.array_equal(kernels.product(x, part), kernels.product(x, matrix)[:, 128:]).item()
+
+
+def test_a_packed_copy_alone_keeps_its_numbers_when_the_integer_products_are_turned_off() -> None:
+    if not gemv.int8_activations():
+        pytest.skip("no integer products here: no packed copies")
+    q, scales, biases = _matrix(64, 256, 6, 32, seed=3)
+    x = mx.random.normal((3, 256))
+    want = _reference(x, q, scales, biases, 6, 32)
+    alone = kernels.Matrix.register(q, scales, biases, 6, 32)
+    kept = kernels.Matrix.register(q, scales, biases, 6, 32)
+    assert alone is not None and kept is not None and alone.pack_only() and alone.arrays == ()
+    before = kernels.product(x, alone)
+    gemv.use_int8(0)  # MLXPIPE_INT8=off: the packed copy still computes (two parts); the other, its source
+    plain = ctypes.c_long.in_dll(gemv._shim, "mlxpipe_qproduct_plain_calls").value
+    assert mx.array_equal(kernels.product(x, alone), before).item()
+    assert _close(kernels.product(x, kept), want)  # 6 bits: no float32 kernel, the plain loop computes it
+    assert ctypes.c_long.in_dll(gemv._shim, "mlxpipe_qproduct_plain_calls").value == plain + 1
+    assert _close(before, want)
