@@ -243,19 +243,22 @@ def test_engine_on_5_and_8_bit_layers_matches_the_quantized_model(tmp_path: Path
 
     path = write_gguf(tmp_path / "q58.gguf", "llama", tiny_bpe(), hidden=128, ffn=256, quantize=quantize)
     engine = Engine.load(str(path), dtype="float32")
-    # Only the 8-bit matrices may read their quantized bytes; the 5-bit ones stay on the float path.
+    # The 8-bit matrices read their quantized bytes; the 5-bit ones too where the integer products run, else
+    # they stay on the float path.
     eight = sum(1 for i, n in enumerate(names) if i % 2 and n != "token_embd.weight")
-    assert engine.quantized_rows <= eight
+    assert engine.quantized_rows <= (len(names) if gemv.int8_activations() else eight)
     if gemv.quantized_available():
         assert engine.quantized_rows > 0
     reference, _ = mlx_lm.load(engine.folder)
-    tokens = mx.array([[5, 6, 7]])
-    for step in range(3):  # one-row products (the decode path) included
-        ours = np.array(engine.model(tokens[:, step : step + 1]).astype(mx.float32))
-        theirs = np.array(reference(tokens[:, step : step + 1]).astype(mx.float32))
-        # Float32 against mlx's quantized kernels: rounding differs, a misread weight would not be this close.
-        assert np.abs(ours - theirs).max() < 2e-3 * np.abs(theirs).max()
-        assert ours.argmax() == theirs.argmax()
+    # --dtype auto: on a CPU with mlxpipe's kernels, every matrix from its quantized bytes alone
+    for model in (engine.model, Engine.load(str(path)).model):
+        tokens = mx.array([[5, 6, 7]])
+        for step in range(3):  # one-row products (the decode path) included
+            ours = np.array(model(tokens[:, step : step + 1]).astype(mx.float32))
+            theirs = np.array(reference(tokens[:, step : step + 1]).astype(mx.float32))
+            # Against mlx's quantized kernels: rounding differs, a misread weight would not be this close.
+            assert np.abs(ours - theirs).max() < 2e-3 * np.abs(theirs).max()
+            assert ours.argmax() == theirs.argmax()
 
 
 def test_dequantized_copy_is_the_same_model_in_f32(tmp_path: Path) -> None:
