@@ -85,3 +85,38 @@ def test_a_packed_copy_alone_keeps_its_numbers_when_the_integer_products_are_tur
     assert _close(kernels.product(x, kept), want)  # 6 bits: no float32 kernel, the plain loop computes it
     assert ctypes.c_long.in_dll(gemv._shim, "mlxpipe_qproduct_plain_calls").value == plain + 1
     assert _close(before, want)
+
+
+@pytest.mark.model
+def test_a_second_run_maps_the_packed_copies_the_first_one_kept(tmp_path: Any, monkeypatch: Any) -> None:
+    # The first load packs every matrix and keeps the copies in one file; the next maps them (its layers'
+    # quantized arrays never read) and computes the same logits; a damaged file is packed and written again.
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxpipe import models
+    from mlxpipe.engine import Engine
+
+    if not gemv.int8_activations():
+        pytest.skip("no integer products here: no packed copies to keep")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def logits(engine: Any) -> Any:
+        tokens = mx.array([engine.tokenizer.encode("The capital of France is")])
+        out = engine.model(tokens, cache=make_prompt_cache(engine.model))[0, -1]
+        mx.eval(out)
+        return out
+
+    first = Engine.load()
+    path = models.derived_file(first.folder, f"packed-{kernels.layout()}.bin")
+    assert path is not None and path.is_file()
+    want = logits(first)
+    second = Engine.load()
+    layer = second.model.model.layers[3].mlp.down_proj.__dict__["_matrix"]
+    assert layer.mapped is not None and layer.arrays == ()  # adopted from the file
+    assert mx.array_equal(logits(second), want).item()
+    size = path.stat().st_size
+    with open(path, "r+b") as f:  # its end cut off: not a complete file
+        f.truncate(size - 5)
+    third = Engine.load()
+    assert third.model.model.layers[3].mlp.down_proj.__dict__["_matrix"].mapped is None
+    assert mx.array_equal(logits(third), want).item() and path.stat().st_size == size  # written again

@@ -55,6 +55,7 @@ typedef struct {
     const float *scales, *biases;       /* n x (k / group) */
     uint8_t *i8;                        /* W repacked for 8-bit activations, once used (i8_weights) */
     int i8_half;                        /* its scales and biases in 16 bits (float16 values all: GGUF's) */
+    int i8_borrowed;                    /* i8 is the caller's (mlxpipe_qmatrix_adopt): never freed here */
 } qmat;
 
 enum { TABLE = 4096 }; /* open addressing, power of two, far more than the matrices of one model */
@@ -86,8 +87,8 @@ static qmat *enter(const float *w, int n, int k, int bits, int group, const void
         if (table[i].n < 0 && dead == TABLE) dead = i; /* a dead entry's slot can be taken again */
     if (!table[i].w && dead != TABLE) i = dead;
     else if (!table[i].w) registered++;
-    free(table[i].i8);
-    table[i] = (qmat){w, n, k, bits, group, (const uint8_t *)q, scales, biases, 0, 0};
+    if (!table[i].i8_borrowed) free(table[i].i8);
+    table[i] = (qmat){w, n, k, bits, group, (const uint8_t *)q, scales, biases, 0, 0, 0};
     return &table[i];
 }
 
@@ -114,7 +115,7 @@ void mlxpipe_qgemv_unregister(const float *w) {
 void mlxpipe_qgemv_release(void) {
     for (unsigned i = 0; i < TABLE; i++)
         if (table[i].n < 0 && table[i].i8) {
-            free(table[i].i8);
+            if (!table[i].i8_borrowed) free(table[i].i8);
             table[i].i8 = 0;
         }
 }
@@ -1182,13 +1183,19 @@ __attribute__((target("f16c"))) static void i8_put(uint8_t *to, long i, int half
 
 /* W repacked (rows past n zeros), then per block of 16 rows and group the 16 scales, then the biases alike
  * (in 16 bits where i8_halves, setting m->i8_half: racing packers of m set it alike). */
+/* The bytes of m's packed copy with 16-bit (half) or 32-bit scales and biases: a multiple of 64 */
+static long i8_size(const qmat *m, int half) {
+    long groups = m->k / m->group, blocks = i8_blocks(m);
+    return blocks * groups * i8_chunks(m) * 64 + 2 * blocks * groups * 16 * (half ? 2 : 4);
+}
+
 static uint8_t *i8_pack(const qmat *m) {
     int n = m->n, groups = m->k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m);
     long words = (long)m->k * i8_bits(m) / 32, wbytes = (long)blocks * groups * chunks * 64;
     long row_bytes = (long)m->k * m->bits / 8;
     long floats = (long)blocks * groups * 16;
     int half = i8_halves(m);
-    uint8_t *p = aligned_alloc(64, wbytes + 2 * floats * (half ? 2 : 4));
+    uint8_t *p = aligned_alloc(64, i8_size(m, half));
     if (!p) return 0;
     __atomic_store_n(&((qmat *)m)->i8_half, half, __ATOMIC_RELAXED); /* published with p (i8_weights) */
     uint32_t *w = (uint32_t *)p;
@@ -2819,6 +2826,43 @@ int mlxpipe_qmatrix_pack(void *handle, int only) {
     return 1;
 #else
     (void)handle, (void)only;
+    return 0;
+#endif
+}
+
+/* m's packed copy (made now where it is not yet), its size in bytes and whether its scales are 16-bit; 0 where
+ * the integer products do not run: what a caller keeps (in a file) to adopt it in a later process. */
+const void *mlxpipe_qmatrix_packed(void *handle, long *bytes, int *half) {
+#ifdef X86_AVX512
+    const qmat *m = (const qmat *)handle;
+    const uint8_t *p = i8_runs() ? i8_weights(m) : 0;
+    if (!p) return 0;
+    *half = __atomic_load_n(&m->i8_half, __ATOMIC_RELAXED);
+    *bytes = i8_size(m, *half);
+    return p;
+#else
+    (void)handle, (void)bytes, (void)half;
+    return 0;
+#endif
+}
+
+/* Registers W (key w, n x k, bits, group) by its packed copy alone, `bytes` at `packed` (64-byte aligned), as
+ * mlxpipe_qmatrix_packed gave it for the same matrix: the caller keeps that memory (a mapped file) while W is
+ * registered. 0 where the integer products do not run or the size is not W's. */
+void *mlxpipe_qmatrix_adopt(const float *w, int n, int k, int bits, int group, const void *packed, long bytes,
+                            int half) {
+#ifdef X86_AVX512
+    if (!i8_runs() || ((uintptr_t)packed & 63) || group > 256) return 0;
+    qmat *m = enter(w, n, k, bits, group, 0, 0, 0);
+    if (!m || bytes != i8_size(m, half)) {
+        if (m) m->n = -1;
+        return 0;
+    }
+    m->i8_half = half, m->i8_borrowed = 1;
+    m->i8 = (uint8_t *)packed;
+    return m;
+#else
+    (void)w, (void)n, (void)k, (void)bits, (void)group, (void)packed, (void)bytes, (void)half;
     return 0;
 #endif
 }

@@ -63,6 +63,7 @@ __all__ = [
     "SCORES_ALPHA",
     "SOFTMAX_ALPHA",
     "SWIGLU_ALPHA",
+    "adopt",
     "argmax_available",
     "argmax_calls",
     "attach",
@@ -75,12 +76,14 @@ __all__ = [
     "int8_activations",
     "int8_parts",
     "pack",
+    "packed",
     "product_address",
     "quantized_available",
     "quantized_batch_calls",
     "quantized_calls",
     "register",
     "share_one_rows",
+    "source",
     "swiglu_available",
     "swiglu_calls",
     "unregister",
@@ -147,6 +150,11 @@ def install(blas: Any) -> str:
         # RuntimeError: the cache folder is under the home folder, and there is none.
         return f"not built: {first_line(exc)}"
     return FORWARDING
+
+
+def source() -> Path:
+    """gemv.c, the library's source."""
+    return _SOURCE
 
 
 def _open(path: str, mode: int) -> Any:
@@ -294,6 +302,36 @@ def pack(handle: int, key: int, only: bool) -> bool:
         for held in [h for h in _held if h[0] == key]:
             _held.pop(held, None)
     return True
+
+
+def packed(handle: int) -> tuple[int, int, bool] | None:
+    """A registered matrix's packed copy (made now where it is not yet): its address, size in bytes and
+    whether its scales are 16-bit; None where the integer products do not run."""
+    if _shim is None:
+        return None
+    size, half = ctypes.c_long(), ctypes.c_int()
+    _shim.mlxpipe_qmatrix_packed.restype = ctypes.c_void_p
+    address = _shim.mlxpipe_qmatrix_packed(ctypes.c_void_p(handle), ctypes.byref(size), ctypes.byref(half))
+    return (int(address), size.value, bool(half.value)) if address else None
+
+
+def adopt(
+    shape: tuple[int, int], bits: int, group_size: int, address: int, size: int, half: bool
+) -> tuple[int, int] | None:
+    """Register a matrix (``shape`` n x k) by a packed copy :func:`packed` gave for it in an earlier process,
+    ``size`` bytes at ``address`` (64-byte aligned; the caller keeps it mapped while registered): its handle
+    and key; None where the integer products do not run or the size is not this matrix's."""
+    if _shim is None:
+        return None
+    global _keys
+    _keys += 1
+    key = _keys << 6
+    p = ctypes.c_void_p
+    _shim.mlxpipe_qmatrix_adopt.restype = p
+    handle = _shim.mlxpipe_qmatrix_adopt(
+        p(key), shape[0], shape[1], bits, group_size, p(address), ctypes.c_long(size), int(half)
+    )
+    return (int(handle), key) if handle else None
 
 
 def unregister(keys: list[int], settle: Callable[[], None] = lambda: None) -> None:

@@ -11,8 +11,11 @@ compiler, nanobind or gemv.c's kernels :func:`available` is False, and the engin
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
+import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -31,7 +34,7 @@ from ..paths import cache_dir
 from ..switches import setting, turned_off
 from . import gemv
 
-__all__ = ["ENV", "Matrix", "Part", "available", "load", "product", "release_with"]
+__all__ = ["ENV", "Matrix", "PackedFile", "Part", "available", "layout", "load", "product", "release_with"]
 
 ENV = "MLXPIPE_KERNELS"
 SWIGLU = 1  # gemv.c's PRODUCT_SWIGLU: the product's two halves become silu(gate) * up
@@ -61,6 +64,11 @@ def load() -> str:
     return _state
 
 
+def layout() -> str:
+    """What names the layout of the packed copies (gemv.c's source): part of a :class:`PackedFile`'s name."""
+    return hashlib.sha256(gemv.source().read_bytes()).hexdigest()[:12]
+
+
 def available() -> bool:
     """Whether products by :class:`Matrix` run here (:func:`load` built and imported the operation)."""
     load()
@@ -72,8 +80,11 @@ class Matrix:
     layout (``w = scales * q + biases`` per group of ``group_size``), n x k. Its arrays are held here (the
     kernels read them in place) and passed to every product so that mlx keeps them while it is pending."""
 
-    def __init__(self, handle: int, key: int, arrays: tuple[Any, ...], n: int, k: int) -> None:
+    def __init__(
+        self, handle: int, key: int, arrays: tuple[Any, ...], n: int, k: int, mapped: object = None
+    ) -> None:
         self.handle, self.key, self.arrays, self.n, self.k = handle, key, arrays, n, k
+        self.mapped = mapped  # the PackedFile whose mapping holds its copy, kept while it is
 
     @classmethod
     def register(cls, q: Any, scales: Any, biases: Any, bits: int, group_size: int) -> Matrix | None:
@@ -96,6 +107,77 @@ class Matrix:
             return False
         self.arrays = ()
         return True
+
+
+class PackedFile:
+    """The kernels' packed copies of a model's matrices kept in one file between runs (``path``), mapped
+    instead of read and repacked: a run opens a model in about the time it takes to map it.
+
+    Layout: each copy 64-byte aligned, then a JSON index (name → offset, size, 16-bit scales, form), its
+    length and a magic, written last (a file cut short or of another layout has neither and is made again).
+    """
+
+    MAGIC = b"MLXPPK01"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.index: dict[str, list[Any]] = {}
+        self._map: Any = None
+        self._base = 0
+        self.made: dict[str, tuple[int, int, bool, list[int]]] = {}  # copies packed in this run: to keep
+        try:
+            with open(path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
+            tail = self._map[-16:]
+            length = int.from_bytes(tail[:8], "little")
+            if tail[8:] != self.MAGIC or length > len(self._map) - 16:
+                raise ValueError("not a complete file of packed copies")
+            index = json.loads(self._map[len(self._map) - 16 - length : len(self._map) - 16])
+            self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+            self.index = index
+        except (OSError, ValueError):
+            self.index = {}
+
+    def adopt(self, name: str, form: list[int]) -> Matrix | None:
+        """The matrix ``name`` (``form``: n, k, bits, group size) from its kept copy; None when not kept."""
+        entry = self.index.get(name)
+        if entry is None or entry[3] != form:
+            return None
+        offset, size, half = entry[:3]
+        found = gemv.adopt((form[0], form[1]), form[2], form[3], self._base + offset, size, half)
+        return None if found is None else Matrix(found[0], found[1], (), form[0], form[1], self)
+
+    def remember(self, name: str, matrix: Matrix, form: list[int]) -> None:
+        """Keep ``matrix``'s packed copy (made now where it is not yet) for :meth:`write`."""
+        found = gemv.packed(matrix.handle)
+        if found is not None:
+            self.made[name] = (*found, form)
+
+    def write(self) -> None:
+        """Write every copy this run packed (with those it adopted) to the file, atomically; a cache that
+        cannot be written is only slower next time."""
+        if not self.made:
+            return
+        index: dict[str, list[Any]] = {}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tmp-", suffix=".packed")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    kept = [(n, self._base + e[0], e[1], e[2], e[3]) for n, e in self.index.items()]
+                    made = [(n, *e) for n, e in self.made.items()]
+                    for name, address, size, half, form in [*kept, *made]:
+                        f.write(b"\0" * (-f.tell() % 64))
+                        index[name] = [f.tell(), size, half, form]
+                        f.write(ctypes.string_at(address, size))
+                    data = json.dumps(index).encode()
+                    f.write(data + len(data).to_bytes(8, "little") + self.MAGIC)
+                os.replace(tmp, self.path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except OSError:
+            pass
 
 
 class Part:
@@ -121,8 +203,14 @@ def product(x: mx.array, matrix: Matrix | Part, swiglu: bool = False) -> mx.arra
 def release_with(owner: object, matrices: Iterable[Matrix], settle: Callable[[], None]) -> None:
     """Unregister ``matrices`` once ``owner`` is gone (after ``settle``: products may still be pending)."""
     keys = [m.key for m in matrices]
-    if keys:
-        weakref.finalize(owner, gemv.unregister, keys, settle)
+    mapped = {id(m.mapped): m.mapped for m in matrices if m.mapped is not None}
+    if keys:  # (the mapped files of kept copies held until then: a pending product may read them)
+        weakref.finalize(owner, _release, keys, settle, list(mapped.values()))
+
+
+def _release(keys: list[int], settle: Callable[[], None], mapped: list[object]) -> None:
+    gemv.unregister(keys, settle)
+    mapped.clear()
 
 
 def _check(module: Any) -> None:

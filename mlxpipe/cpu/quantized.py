@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -173,7 +174,10 @@ KernelEmbedding = type(
 
 
 def to_kernels(
-    model: Any, groups: dict[type, tuple[str, ...]], fuse_groups: bool = True
+    model: Any,
+    groups: dict[type, tuple[str, ...]],
+    fuse_groups: bool = True,
+    kept: kernels.PackedFile | None = None,
 ) -> tuple[list[Any], list[str]]:
     """Compute ``model``'s quantized layers by mlxpipe's kernels (:mod:`.kernels`), in place, from their
     quantized weights alone: the registered matrices, and the layers the kernels do not take (left as
@@ -181,28 +185,47 @@ def to_kernels(
 
     With ``fuse_groups``, the projections ``groups`` names per module class (q, k and v; gate and up) become
     one matrix (:data:`FUSED` holds its :class:`.kernels.Matrix`); each part computes as its rows of it
-    (:class:`.kernels.Part`).
-    Floating parameters become float32 (the kernels' products are float32).
+    (:class:`.kernels.Part`). ``kept``: the packed copies of an earlier run, adopted instead of read and
+    packed again; those packed now are written there. Floating parameters become float32 (the kernels'
+    products are float32).
     """
-    found = forms(model, cast=False)  # each cast to float32 as it is registered: less memory at once
+    found = forms(model, cast=False)  # read a layer at a time as each is registered: less memory at once
     modules = dict(model.named_modules())
     matrices, refused = [], []
     # Where the integer products run, each matrix's packed copy (made now) is its only one: the layer keeps
     # placeholders of its arrays' shapes (an embedding keeps its arrays: mlx looks its rows up).
     lean = gemv.int8_activations() > 0
+
+    def matrix_of(name: str, arrays: Callable[[], list[Any]], bits: int, group: int, rows: int) -> Any:
+        k = int(found_shape[name][1]) * 32 // bits
+        form = [rows, k, bits, group]
+        matrix = kept.adopt(name, form) if kept is not None else None
+        if matrix is None:
+            q, scales, biases = arrays()
+            matrix = kernels.Matrix.register(q, scales, biases, bits, group)
+            if matrix is not None and kept is not None and lean:
+                kept.remember(name, matrix, form)
+        return matrix
+
+    found_shape = {n: f[0].shape for n, f in found.items()}
     for key, names in (joinable(model, found, groups) if fuse_groups else {}).items():
         parts = [found[n] for n in names]
-        whole = [mx.concatenate([f[i] for f in parts], axis=0) for i in range(3)]
-        mx.eval(whole)
-        matrix = kernels.Matrix.register(whole[0], whole[1], whole[2], parts[0][3], parts[0][4])
+        found_shape[key] = parts[0][0].shape
+        rows = sum(int(f[0].shape[0]) for f in parts)
+
+        def joined(parts: list[Any] = parts) -> list[Any]:
+            whole = [mx.concatenate([f[i] for f in parts], axis=0) for i in range(3)]
+            mx.eval(whole)
+            return whole
+
+        matrix = matrix_of(key, joined, parts[0][3], parts[0][4], rows)
         if matrix is None:
             continue
-        only = lean and matrix.pack_only()
+        only = lean and (matrix.arrays == () or matrix.pack_only())
         start = 0
         for name, form in zip(names, parts, strict=True):  # the parts' arrays: views of the whole's rows
             stop = start + form[0].shape[0]
-            held = matrix.arrays or whole  # (float32 scales and biases while the matrix holds them)
-            arrays = [_placeholder(a) if only else w[start:stop] for a, w in zip(form[:3], held, strict=True)]
+            arrays = [_placeholder(a) for a in form[:3]] if only else [w[start:stop] for w in matrix.arrays]
             modules[name].update(dict(zip(("weight", "scales", "biases"), arrays, strict=True)))
             object.__setattr__(modules[name], MATRIX, kernels.Part(matrix, start, stop))
             modules[name].__class__ = KernelLinear
@@ -210,25 +233,29 @@ def to_kernels(
             start = stop
         object.__setattr__(modules[key.rpartition(".")[0]], FUSED, matrix)
         matrices.append(matrix)
-        del parts, whole
+        del parts
         mx.clear_cache()  # what was let go, for the next packed copies (malloc's)
     for name in list(found):
         q, scales, biases, bits, group_size = found.pop(name)
         module = modules[name]
-        matrix = kernels.Matrix.register(q, scales, biases, bits, group_size)
+        source = [q, scales, biases]
+        matrix = matrix_of(name, partial(list, source), bits, group_size, int(q.shape[0]))
         if matrix is None:
             refused.append(name)
             continue
         embedding = isinstance(module, QuantizedEmbedding)
-        if lean and not embedding and matrix.pack_only():
+        if embedding or not lean:  # the layer and the kernels read the same arrays where both keep them
+            if matrix.arrays:
+                module.update(dict(zip(("weight", "scales", "biases"), matrix.arrays, strict=True)))
+        elif matrix.arrays == () or matrix.pack_only():
             module.update({k: _placeholder(module[k]) for k in ("weight", "scales", "biases")})
-        else:  # the layer and the kernels read the same arrays (float32 scales and biases)
-            module.update(dict(zip(("weight", "scales", "biases"), matrix.arrays, strict=True)))
         object.__setattr__(module, MATRIX, matrix)
         module.__class__ = KernelEmbedding if embedding else KernelLinear
         matrices.append(matrix)
-        del q, scales, biases
+        del q, scales, biases, source
         mx.clear_cache()
+    if kept is not None:
+        kept.write()
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     mx.clear_cache()  # the source arrays let go: back to the system, not kept in mlx's cache

@@ -134,7 +134,10 @@ class Engine:
         # layer at a time); layers they do not take are dequantized, as --dtype float32 dequantizes all.
         matrices: list[Any] = []
         if used == "quantized" and accelerator() is None and kernels.available():
-            matrices, refused = quantized.to_kernels(model, _FUSED, layers.enabled())
+            # the packed copies kept by an earlier run of this conversion: mapped, not read and packed again
+            packed_path = models.derived_file(folder, f"packed-{kernels.layout()}.bin")
+            kept_copies = kernels.PackedFile(packed_path) if packed_path is not None else None
+            matrices, refused = quantized.to_kernels(model, _FUSED, layers.enabled(), kept_copies)
             if refused:
                 dequantize_layers(model, refused)
         # joined as one matrix while dequantizing: fusing them afterwards would copy them
