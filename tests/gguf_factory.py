@@ -144,6 +144,7 @@ def write_gguf(
     output_noise: float | None = None,
     qtype: Any = None,
     quantize: Any = None,
+    sliding_window: int = 64,
 ) -> Path:
     """Write a random-weight GGUF of ``arch`` with llama.cpp's tensor names and metadata keys.
 
@@ -151,7 +152,7 @@ def write_gguf(
     (a tied model's output) has spread ``scale``. An untied output is random like the other matrices, which
     gives flat logits (top-2 margins below llama.cpp's activation noise), or with ``output_noise`` the
     embedding plus noise of that spread: margins as clear as a tied model's, whose output is its input's
-    embedding. ``qtype`` (a
+    embedding. ``sliding_window``: gemma's window (its sliding layers see that many positions). ``qtype`` (a
     gguf-py type gguf-py can quantize, e.g. Q8_0) is applied to the 2-D weights, else they are F32.
     """
     import gguf
@@ -173,7 +174,7 @@ def write_gguf(
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     if arch in ("gemma2", "gemma3"):
-        w.add_sliding_window(64)
+        w.add_sliding_window(sliding_window)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(50.0)
         w.add_final_logit_softcapping(30.0)
