@@ -145,6 +145,7 @@ def write_gguf(
     qtype: Any = None,
     quantize: Any = None,
     sliding_window: int = 64,
+    metadata: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random-weight GGUF of ``arch`` with llama.cpp's tensor names and metadata keys.
 
@@ -152,7 +153,9 @@ def write_gguf(
     (a tied model's output) has spread ``scale``. An untied output is random like the other matrices, which
     gives flat logits (top-2 margins below llama.cpp's activation noise), or with ``output_noise`` the
     embedding plus noise of that spread: margins as clear as a tied model's, whose output is its input's
-    embedding. ``sliding_window``: gemma's window (its sliding layers see that many positions). ``qtype`` (a
+    embedding. ``sliding_window``: gemma's window (its sliding layers see that many positions); ``metadata``:
+    more keys (an int as uint32, a float as float32, a str, a list of ints), the architecture's own or
+    replacing them. ``qtype`` (a
     gguf-py type gguf-py can quantize, e.g. Q8_0) is applied to the 2-D weights, else they are F32.
     """
     import gguf
@@ -182,6 +185,18 @@ def write_gguf(
         w.add_rope_dimension_count(head_dim)
     if rope_freqs:
         w.add_rope_scaling_orig_ctx_len(8192)
+    for key, value in (metadata or {}).items():  # (before the tokenizer's keys, which none replaces)
+        w.kv_data[0].pop(key, None)  # a key the writer already holds is replaced
+        if isinstance(value, bool) or not isinstance(value, (int, float, str, list)):
+            raise TypeError(f"metadata {key}: {value!r}")
+        if isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)
 
     w.add_tokenizer_model(tok["model"])
     if "pre" in tok:
