@@ -146,6 +146,7 @@ def write_gguf(
     quantize: Any = None,
     sliding_window: int = 64,
     metadata: dict[str, Any] | None = None,
+    norm_spread: float = 0.1,
 ) -> Path:
     """Write a random-weight GGUF of ``arch`` with llama.cpp's tensor names and metadata keys.
 
@@ -155,7 +156,8 @@ def write_gguf(
     embedding plus noise of that spread: margins as clear as a tied model's, whose output is its input's
     embedding. ``sliding_window``: gemma's window (its sliding layers see that many positions); ``metadata``:
     more keys (an int as uint32, a float as float32, a str, a list of ints), the architecture's own or
-    replacing them. ``qtype`` (a
+    replacing them; ``norm_spread``: the spread of the RMS norms' weights around 1 (a gemma, whose output
+    layer is its embedding, answers more than its last token again with a wide one). ``qtype`` (a
     gguf-py type gguf-py can quantize, e.g. Q8_0) is applied to the 2-D weights, else they are F32.
     """
     import gguf
@@ -219,7 +221,7 @@ def write_gguf(
 
     def norm(n: int) -> np.ndarray:
         # Gemma's files store 1 + w, w near 0; the others w near 1.
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        return (1.0 + norm_spread * rng.standard_normal(n)).astype(np.float32)
 
     def add(name: str, data: np.ndarray) -> None:
         if quantize is not None and data.ndim == 2 and (done := quantize(name, data)) is not None:

@@ -20,7 +20,14 @@ from mlxpipe.records import Record, Settings
 
 pytest.importorskip("gguf")
 
-PROMPTS = ["hello world", "the quick brown fox jumps over it", "what is 12 times 12? tell me in words"]
+PROMPTS = [
+    "hello world",
+    "the quick brown fox jumps over it",
+    "what is 12 times 12? tell me in words",
+    "in the world",
+    "hello hello, the lazy dog sleeps",
+]
+LENGTHS = [3, 7, 5, 6, 4]  # records end at different steps: later ones take the rows of those that ended
 
 
 def _gguf(tmp_path: Path, arch: str, **kwargs: Any) -> Path:
@@ -29,9 +36,12 @@ def _gguf(tmp_path: Path, arch: str, **kwargs: Any) -> Path:
     return write_gguf(path, arch, tiny_bpe(), layers=layers, heads=4, kv_heads=2, **kwargs)
 
 
-def _answers(path: Path, prompts: list[str], batch: int, max_tokens: int) -> list[dict[str, Any]]:
-    lines = "".join(json.dumps({"id": f"r{n}", "prompt": p}) + "\n" for n, p in enumerate(prompts))
-    args = ["-m", str(path), "--jsonl", "--raw", "--no-stream", "-n", str(max_tokens), "--batch", str(batch)]
+def _answers(path: Path, prompts: list[str], batch: int, lengths: list[int]) -> list[dict[str, Any]]:
+    lines = "".join(
+        json.dumps({"id": f"r{n}", "prompt": p, "max_tokens": m}) + "\n"
+        for n, (p, m) in enumerate(zip(prompts, lengths, strict=True))
+    )
+    args = ["-m", str(path), "--jsonl", "--raw", "--no-stream", "--batch", str(batch)]
     r = run_cli(args, input=lines)
     assert r.returncode == 0 and r.stderr == b"", r.stderr.decode()
     finals = [json.loads(line) for line in r.stdout.decode().splitlines()]
@@ -41,13 +51,20 @@ def _answers(path: Path, prompts: list[str], batch: int, max_tokens: int) -> lis
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_architecture_batches_with_shared_kv_heads(arch: str, tmp_path: Path) -> None:
-    # (gemma's prompts reach past a window of 8: its sliding layers' masks are batched too)
-    path = _gguf(tmp_path, arch, scale=3.0, sliding_window=8)
-    one = _answers(path, PROMPTS, 1, 6)
-    three = _answers(path, PROMPTS, 3, 6)
-    assert [e["text"] for e in three] == [e["text"] for e in one]
-    assert all(e["tokens"] == 6 for e in one)  # answers of the full length: every step compared
+def test_every_architecture_batches_with_shared_kv_heads(
+    arch: str, tmp_path: Path, batch_is_exact: bool
+) -> None:
+    # Gemma's prompts reach past a window of 8 (its sliding layers' masks are batched too); its wide norms
+    # make its tied output answer more than the last token again.
+    gemma = arch.startswith("gemma")
+    path = _gguf(
+        tmp_path, arch, scale=1.0 if gemma else 3.0, sliding_window=8, norm_spread=3.0 if gemma else 0.1
+    )
+    one = _answers(path, PROMPTS, 1, LENGTHS)
+    three = _answers(path, PROMPTS, 3, LENGTHS)
+    assert [e["tokens"] for e in one] == [e["tokens"] for e in three] == LENGTHS  # every step compared
+    if batch_is_exact:  # (on a CPU; see conftest)
+        assert [e["text"] for e in three] == [e["text"] for e in one]
 
 
 # --- sliding windows -------------------------------------------------------------------------------------
