@@ -42,7 +42,8 @@ def run(
     """Answer ``records``, yielding chunk events and exactly one done or error event per record.
 
     A bad record, or any exception while answering one, becomes an :class:`Error` and the run goes
-    on. ``should_stop`` is polled between tokens and between records: once true, the records in
+    on; under ``batch``, an exception in a step ends every record in that step so, and a fresh batch
+    answers the rest. ``should_stop`` is polled between tokens and between records: once true, the records in
     flight end as "interrupted" and no further record is read. ``batch`` > 1 generates up to that
     many records at once (an input of one record is answered as with ``batch=1``, unless ``lone_alone`` is
     false); events stay in input order unless ``ordered`` is false (then they come as produced; each
