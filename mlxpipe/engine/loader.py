@@ -27,7 +27,6 @@ from typing import Any
 import mlx.core as mx
 from mlx.nn.layers.quantized import quantize
 
-from . import gemma2
 from . import tokenizer as fast_tokenizer
 
 __all__ = ["load"]
@@ -69,6 +68,8 @@ _defer_mlx_lm()
 def load(folder: str, trust_remote_code: bool = False) -> tuple[Any, Tokenizing]:
     """``folder``'s model (weights evaluated) and its tokenizer's loading, for the caller to start when it
     is about to wait on mlx (see :class:`Tokenizing`); raises what ``mlx_lm.load`` raises."""
+    from . import gemma2  # (here: mlx_lm's package must be deferred before its models are imported)
+
     root = Path(folder)
     gemma2.install()  # mlx-lm's Gemma 2 lacks its sliding window and fails to batch: mlxpipe's in its place
     loaded = _load_plain(root)
