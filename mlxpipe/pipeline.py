@@ -12,6 +12,7 @@ into input order here (the oldest record streams live, later ones are held until
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -41,7 +42,8 @@ def run(
     """Answer ``records``, yielding chunk events and exactly one done or error event per record.
 
     A bad record, or any exception while answering one, becomes an :class:`Error` and the run goes
-    on. ``should_stop`` is polled between tokens and between records: once true, the records in
+    on; under ``batch``, an exception in a step ends every record in that step so, and a fresh batch
+    answers the rest. ``should_stop`` is polled between tokens and between records: once true, the records in
     flight end as "interrupted" and no further record is read. ``batch`` > 1 generates up to that
     many records at once (an input of one record is answered as with ``batch=1``, unless ``lone_alone`` is
     false); events stay in input order unless ``ordered`` is false (then they come as produced; each
@@ -99,6 +101,7 @@ def _run_batched(
         return
     order = _InputOrder() if ordered else None
     session = engine.batch(size)
+    live: dict[int, Record] = {}  # records added to the session and not yet ended, by index
 
     def emit(events: Iterable[Event]) -> Iterator[Event]:
         for event in events:
@@ -121,6 +124,7 @@ def _run_batched(
                     continue
                 try:
                     session.add(item)
+                    live[item.index] = item
                 except RecordError as exc:
                     yield from emit([Error.about(item, str(exc))])
                 except Exception as exc:  # as in sequential mode: one bad record does not end the job
@@ -132,7 +136,20 @@ def _run_batched(
                 if feed.done:
                     return
                 continue
-            yield from emit(session.step())
+            try:
+                events = session.step()
+            except Exception as exc:  # the model failed: every record in its step ends, the run goes on
+                failed = [Error.about(live[index], failure(exc)) for index in sorted(live)]
+                live.clear()
+                with contextlib.suppress(Exception):
+                    session.close()
+                session = engine.batch(size)  # a fresh batch: the failed one's state is not to be trusted
+                yield from emit(failed)
+                continue
+            for event in events:
+                if isinstance(event, FINAL_EVENTS):
+                    live.pop(event.index, None)
+            yield from emit(events)
     finally:
         session.close()
         feed.close()

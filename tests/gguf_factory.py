@@ -144,6 +144,9 @@ def write_gguf(
     output_noise: float | None = None,
     qtype: Any = None,
     quantize: Any = None,
+    sliding_window: int = 64,
+    metadata: dict[str, Any] | None = None,
+    norm_spread: float = 0.1,
 ) -> Path:
     """Write a random-weight GGUF of ``arch`` with llama.cpp's tensor names and metadata keys.
 
@@ -151,7 +154,10 @@ def write_gguf(
     (a tied model's output) has spread ``scale``. An untied output is random like the other matrices, which
     gives flat logits (top-2 margins below llama.cpp's activation noise), or with ``output_noise`` the
     embedding plus noise of that spread: margins as clear as a tied model's, whose output is its input's
-    embedding. ``qtype`` (a
+    embedding. ``sliding_window``: gemma's window (its sliding layers see that many positions); ``metadata``:
+    more keys (an int as uint32, a float as float32, a str, a list of ints), the architecture's own or
+    replacing them; ``norm_spread``: the spread of the RMS norms' weights around 1 (a gemma, whose output
+    layer is its embedding, answers more than its last token again with a wide one). ``qtype`` (a
     gguf-py type gguf-py can quantize, e.g. Q8_0) is applied to the 2-D weights, else they are F32.
     """
     import gguf
@@ -173,7 +179,7 @@ def write_gguf(
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     if arch in ("gemma2", "gemma3"):
-        w.add_sliding_window(64)
+        w.add_sliding_window(sliding_window)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(50.0)
         w.add_final_logit_softcapping(30.0)
@@ -181,6 +187,18 @@ def write_gguf(
         w.add_rope_dimension_count(head_dim)
     if rope_freqs:
         w.add_rope_scaling_orig_ctx_len(8192)
+    for key, value in (metadata or {}).items():  # (before the tokenizer's keys, which none replaces)
+        w.kv_data[0].pop(key, None)  # a key the writer already holds is replaced
+        if isinstance(value, bool) or not isinstance(value, (int, float, str, list)):
+            raise TypeError(f"metadata {key}: {value!r}")
+        if isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)
 
     w.add_tokenizer_model(tok["model"])
     if "pre" in tok:
@@ -203,7 +221,7 @@ def write_gguf(
 
     def norm(n: int) -> np.ndarray:
         # Gemma's files store 1 + w, w near 0; the others w near 1.
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        return (1.0 + norm_spread * rng.standard_normal(n)).astype(np.float32)
 
     def add(name: str, data: np.ndarray) -> None:
         if quantize is not None and data.ndim == 2 and (done := quantize(name, data)) is not None:

@@ -130,3 +130,37 @@ def test_sentencepiece_matches_sentencepiece(tmp_path: Path) -> None:
         detok.add_token(i)
     detok.finalize()
     assert detok.text == CORPUS[2]
+
+
+@pytest.mark.parametrize(
+    ("arch", "metadata", "why"),
+    [
+        ("llama", {"llama.rope.dimension_count": 8}, "RoPE over 8 of each head's 16 dimensions"),
+        ("qwen3", {"qwen3.attention.value_length": 8}, "values of another head size than keys"),
+        ("qwen2", {"qwen2.attention.head_count_kv": [2, 4]}, "KV heads that differ per layer"),
+        (
+            "gemma2",
+            {"gemma2.rope.scaling.type": "linear", "gemma2.rope.scaling.factor": 8.0},
+            "RoPE scaling",
+        ),
+    ],
+)
+def test_what_mlx_lm_would_leave_out_is_refused(
+    arch: str, metadata: dict[str, Any], why: str, tmp_path: Path
+) -> None:
+    # Run anyway, these files would answer otherwise than llama.cpp does, in silence (issue 40).
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch, tiny_bpe(), metadata=metadata)
+    message = f"unsupported GGUF feature in {path}: {why} (mlx-lm's {arch} model has none)"
+    with pytest.raises(ModelError) as refused:
+        convert_gguf(path, tmp_path / "out")
+    assert str(refused.value) == message
+
+
+def test_a_refused_file_is_one_line_and_exit_3(tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    path = write_gguf(tmp_path / "l.gguf", "llama", tiny_bpe(), metadata={"llama.rope.dimension_count": 8})
+    r = run_cli(["-m", str(path), "-n", "2"], input="hello\n")
+    assert r.returncode == 3 and r.stdout == b""
+    err = r.stderr.decode()
+    assert err.count("\n") == 1 and "Traceback" not in err and "RoPE over 8 of each head's 16" in err

@@ -69,7 +69,10 @@ def load(folder: str, trust_remote_code: bool = False) -> tuple[Any, Tokenizing]
     """``folder``'s model (its weights read lazily from mlxpipe's own folders: the caller evaluates them) and
     its tokenizer's loading, for the caller to start when it is about to wait on mlx (see
     :class:`Tokenizing`); raises what ``mlx_lm.load`` raises."""
+    from . import gemma2  # (here: mlx_lm's package must be deferred before its models are imported)
+
     root = Path(folder)
+    gemma2.install()  # mlx-lm's Gemma 2 lacks its sliding window and fails to batch: mlxpipe's in its place
     loaded = _load_plain(root)
     if loaded is None:
         import mlx_lm

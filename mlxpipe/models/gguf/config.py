@@ -90,8 +90,15 @@ def build_config(
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     kv = get("attention.head_count_kv", heads)
+    if isinstance(kv, list) and len(set(kv)) > 1:
+        raise _gap(gguf_path, arch, "KV heads that differ per layer")
     kv = int(kv[0] if isinstance(kv, list) else kv)
     head_dim = int(md.get(f"{arch}.attention.key_length") or hidden // heads)
+    if int(md.get(f"{arch}.attention.value_length") or head_dim) != head_dim:
+        raise _gap(gguf_path, arch, "values of another head size than keys")
+    rot = int(md.get(f"{arch}.rope.dimension_count") or head_dim)
+    if rot != head_dim and arch != "phi3":
+        raise _gap(gguf_path, arch, f"RoPE over {rot} of each head's {head_dim} dimensions")
     layers = int(get("block_count"))
     ffn = get("feed_forward_length")
     vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", [])) or None
@@ -125,6 +132,8 @@ def build_config(
         config["rope_scaling"] = {"type": "linear", "factor": float(md[f"{arch}.rope.scaling.factor"])}
     elif scaling not in (None, "none"):
         raise ModelError(f"unsupported GGUF RoPE scaling {scaling!r} in {gguf_path}")
+    if arch == "gemma2" and "rope_scaling" in config:
+        raise _gap(gguf_path, arch, "RoPE scaling")
     if arch in ("gemma2", "gemma3"):
         # llama.cpp scales queries by 1/sqrt(hidden/heads) for the 27B models, else 1/sqrt(head_dim).
         big = (arch == "gemma2" and layers == 46) or (arch == "gemma3" and layers == 62)
@@ -138,11 +147,16 @@ def build_config(
         config["rope_local_base_freq"] = 10000.0
     if arch == "phi3":
         config["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length", 4096))
-        rot = int(md.get("phi3.rope.dimension_count") or head_dim)
         config["partial_rotary_factor"] = rot / head_dim
         if "rope_factors_long.weight" in names:
             raise ModelError(f"unsupported GGUF feature in {gguf_path}: phi3 LongRoPE factors (128k models)")
     return config
+
+
+def _gap(gguf_path: Path, arch: str, what: str) -> ModelError:
+    """The refusal of a file that specifies something mlx-lm's model for ``arch`` would leave out (issue 40):
+    run anyway, it would answer otherwise than llama.cpp, in silence."""
+    return ModelError(f"unsupported GGUF feature in {gguf_path}: {what} (mlx-lm's {arch} model has none)")
 
 
 def _llama3_scaling(
