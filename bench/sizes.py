@@ -10,7 +10,8 @@ seed's own form: mlxpipe's conversion of the F16 file turned into a 4-bit, group
 the next run (the 8B F16 file is 15 GB).
 
 Per file, each measure in a child process, the engines taking turns:
-- first run: mlxpipe's conversion into an empty cache (``materialize``), seconds and the child's peak RSS;
+- first run: mlxpipe's conversion into an empty cache (``materialize``), seconds and the child's peak RSS,
+  then its first answer (the kernels built, the weights packed and their copies kept);
 - warm start to the first token: a new process answering one short prompt with 1 token (the file converted
   already), from the process's start to its first output, and the peak RSS of a 64-token answer;
 - decode: ``bench/vs_llamacpp.py --model FILE`` (single stream, then ``--batch`` 16 and 64, rounds taking
@@ -170,6 +171,8 @@ def measure(spec: Path, gguf_file: Path, cache: Path, rounds: int, batches: str)
         ).stdout.split()
         print(f"first run, conversion: {float(t):.1f} s, peak RSS {int(hwm) / 1e3:.0f} MB", flush=True)
     ours = [python, "-m", "mlxpipe", "-m", str(spec), "--batch", "1", "-p", PROMPT]
+    first_s, _ = first_output([*ours, "-n", "1"], env(cache))  # builds the kernels, packs, keeps the copies
+    print(f"first answer after the conversion: {first_s:.2f} s (kernels built, weights packed and kept)")
     for i in range(rounds):
         start_s, _ = first_output([*ours, "-n", "1"], env(cache))
         base_s, base_out = first_output([python, "-c", LLAMA, str(gguf_file), PROMPT, "1"], env(cache))
