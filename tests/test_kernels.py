@@ -5,6 +5,7 @@ converter writes."""
 from __future__ import annotations
 
 import ctypes
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,3 +121,21 @@ def test_a_second_run_maps_the_packed_copies_the_first_one_kept(tmp_path: Any, m
     third = Engine.load()
     assert third.model.model.layers[3].mlp.down_proj.__dict__["_matrix"].mapped is None
     assert mx.array_equal(logits(third), want).item() and path.stat().st_size == size  # written again
+
+
+@pytest.mark.model
+def test_a_kernel_build_that_fails_is_said_once_and_the_model_computes_in_float32(tmp_path: Any) -> None:
+    # A C++ compiler that fails (a real process): the run answers from float32 copies and says why, once.
+    from conftest import cli_env, run_cli
+
+    compiler = tmp_path / "broken-c++"
+    compiler.write_text("#!/bin/sh\necho 'fatal error: no space left on device' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    env = cli_env(CXX=str(compiler), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    r = run_cli(["-n", "8", "-p", "What is the capital of France?"], env=env)
+    assert r.returncode == 0, r.stderr
+    warnings = [line for line in r.stderr.decode().splitlines() if "float32 copies" in line]
+    assert len(warnings) == 1 and "no space left on device" in warnings[0], r.stderr
+    assert b"Paris" in r.stdout
+    info = json.loads(run_cli(["--model-info"], env=env).stdout)
+    assert info["dtype"] == "float32"

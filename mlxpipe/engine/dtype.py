@@ -23,7 +23,15 @@ from ..cpu.quantized import QUANTIZED
 from ..errors import ModelError
 from ..interface import DTYPES
 
-__all__ = ["DTYPES", "KeptFile", "accelerator", "apply_dtype", "choose_dtype", "dequantize_layers"]
+__all__ = [
+    "DTYPES",
+    "KeptFile",
+    "accelerator",
+    "apply_dtype",
+    "choose_dtype",
+    "dequantize_layers",
+    "is_quantized",
+]
 
 _FLOATS = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

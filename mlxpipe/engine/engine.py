@@ -37,6 +37,7 @@ from .dtype import (
     available_memory,
     choose_dtype,
     dequantize_layers,
+    is_quantized,
 )
 from .generate import generation_stream, greedy_argmax, stream_generate
 from .prefix import PrefixCache
@@ -85,6 +86,7 @@ class Engine:
         self.cpu_fast_paths: list[str] = []  # layers swapped by mlxpipe.cpu.layers (set by load)
         self.argmax: Callable[[mx.array], mx.array] = greedy_argmax  # a greedy step's pick (set by load)
         self.quantized_rows = 0  # weight matrices whose one-row products read quantized bytes (set by load)
+        self.dequantized = False  # a quantized model computed from float32 copies (set by load)
         self.batch_choice: dict[str, Any] | None = None  # what --batch auto chose and why (set by auto_batch)
         self.context_length = models.context_length(folder)
         self.reuse_prefix = True
@@ -125,6 +127,7 @@ class Engine:
         except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds; the user needs one line
             raise _load_error(source.spec, exc, trust_remote_code) from None
         used, reason = choose_dtype(model, dtype, batch)
+        was_quantized = is_quantized(model)
         # Float32 on a CPU computes from the dequantized weights; one-row products can still read the
         # quantized ones (mlxpipe.cpu.gemv), which the dequantizing would otherwise drop.
         forms = quantized.forms(model) if used == "float32" and gemv.quantized_available() else {}
@@ -149,6 +152,7 @@ class Engine:
         except Exception as exc:
             raise _load_error(source.spec, exc, trust_remote_code) from None
         engine = cls(model, tokenizer, source, folder, used, reason)
+        engine.dequantized = bool(forms) or (used == "float32" and was_quantized)
         if forms and layers.enabled():
             quantized.fuse(engine.model, forms, joined)
         engine.quantized_rows = quantized.attach(engine, engine.model, forms, _streams) + len(matrices)
@@ -185,7 +189,21 @@ class Engine:
         (:func:`mlxpipe.cpu.blas.slow_paths`); only when it computes in float32 on a CPU, else empty."""
         if self.dtype != "float32" or accelerator() is not None:
             return []
-        return blas.slow_paths()
+        lines = []
+        built = kernels.load()
+        if self.dequantized and self.dtype_reason.startswith("auto") and built.startswith("not built: "):
+            cause = built.removeprefix("not built: ")
+            fix = (
+                "install a C++ compiler (Debian/Ubuntu: apt-get install g++)"
+                if cause.startswith("no C++ compiler")
+                else "pip install 'mlxpipe[cpu]' (nanobind)"
+                if "nanobind" in cause
+                else "it is tried again once the compiler or mlxpipe changes"
+            )
+            lines.append(
+                f"the quantized weights are computed from float32 copies, 4x their memory: {cause}; {fix}"
+            )
+        return lines + blas.slow_paths()
 
     def _prefix_file(self, tokens: tuple[int, ...]) -> Path | None:
         """Where the KV cache of the shared prefix ``tokens`` is kept between runs (:mod:`.prefix`), under a
