@@ -446,3 +446,17 @@ def test_sigterm_ends_the_record_with_a_done_line_and_the_process_by_sigterm() -
     assert lines[-1]["event"] == "done" and lines[-1]["finish_reason"] == "interrupted"
     assert sum(e["event"] == "done" for e in lines) == 1  # the second record was never started
     assert p.stderr.read() == b"mlxpipe: interrupted by SIGTERM after 0 records\n"
+
+
+@pytest.mark.model
+def test_a_first_conversion_shows_its_progress_on_a_terminal_only(tmp_path: Path) -> None:
+    # The embedded GGUF converted into an empty cache: a progress line on a terminal, none in a pipe.
+    master, slave = open_pty()
+    env = cli_env(XDG_CACHE_HOME=str(tmp_path / "tty"), COLUMNS="100")
+    p = spawn_on_pty(["-n", "2", "-p", "hi"], slave, env)
+    shown = read_until(master, until_eof)
+    assert p.wait(timeout=240) == 0
+    os.close(master)
+    assert b"mlxpipe: converting SmolLM2-135M-Instruct.Q4_1.gguf (once)" in shown, shown
+    piped = run_cli(["-n", "2", "-p", "hi"], env=cli_env(XDG_CACHE_HOME=str(tmp_path / "pipe")))
+    assert piped.returncode == 0 and b"converting" not in piped.stderr

@@ -31,7 +31,7 @@ from .options import build_parser
 from .render import Renderer, Stats
 from .signals import Interrupts, reraise_at_exit
 from .streams import OutputError, hold_standard_fds, raw_stdout, write_all
-from .term import Console
+from .term import Console, conversion_progress
 
 if TYPE_CHECKING:
     from ..constrain import Constraint
@@ -200,6 +200,7 @@ def _load(args: argparse.Namespace, console: Console, ranks: Ranks) -> Engine | 
             dtype=args.dtype,
             batch=2 if args.batch_auto else args.batch,  # the dtype depends on batching or not
             trust_remote_code=args.trust_remote_code,
+            on_convert=None if args.quiet else conversion_progress(console.stream),
         )
     except ModelError as exc:
         console.say(f"mlxpipe: error: {exc}")

@@ -16,7 +16,8 @@ import os
 import re
 import sys
 import time
-from typing import IO
+from collections.abc import Callable
+from typing import IO, Any
 
 from ..events import Chunk, Done, Event
 from ..reader import split_records
@@ -118,6 +119,34 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def conversion_progress(stream: IO[str] | None) -> Callable[[str, int, int], None] | None:
+    """A progress line for a GGUF's first conversion, on a terminal only (None elsewhere): the file's bytes
+    converted so far, erased when done."""
+    if stream is None or not _isatty(stream):
+        return None
+    bars: dict[str, Any] = {}
+
+    def told(name: str, done: int, total: int) -> None:
+        bar = bars.get(name)
+        if bar is None:
+            from tqdm import tqdm
+
+            try:
+                width = os.get_terminal_size(stream.fileno()).columns
+            except (OSError, ValueError):
+                width = 0
+            size = {"dynamic_ncols": True} if width else {"ncols": 80}
+            desc = f"mlxpipe: converting {name} (once)"
+            bar = bars[name] = tqdm(
+                total=total, desc=desc, unit="B", unit_scale=True, file=stream, leave=False, **size
+            )
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return told
 
 
 class Console:

@@ -101,16 +101,27 @@ class Engine:
 
     @classmethod
     def load(
-        cls, spec: str | None = None, dtype: str = "auto", batch: int = 1, *, trust_remote_code: bool = False
+        cls,
+        spec: str | None = None,
+        dtype: str = "auto",
+        batch: int = 1,
+        *,
+        trust_remote_code: bool = False,
+        on_convert: Callable[[str, int, int], None] | None = None,
     ) -> Engine:
         """Resolve ``spec`` (see :func:`mlxpipe.models.resolve`) and load it, or raise ``ModelError``.
 
         ``dtype`` is one of :data:`.dtype.DTYPES`; :func:`.dtype.choose_dtype` says what ``auto`` picks for
         ``batch`` records generating at once. A model or tokenizer that ships its own Python code is refused
-        unless ``trust_remote_code``.
+        unless ``trust_remote_code``. ``on_convert(name, done, total)`` is told how far a GGUF's first
+        conversion is.
         """
         source = models.resolve(spec)
-        folder = models.materialize(source)
+        models.report_conversion(on_convert)
+        try:
+            folder = models.materialize(source)
+        finally:
+            models.report_conversion(None)
         # A GGUF conversion's float32 matrices are kept in the cache: reading them beats dequantizing. A kept
         # file is read on a thread from here on, while the model is built and the tokenizer parsed.
         tag = f"float32-{STORED_VERSION}-mlx{getattr(mx, '__version__', '')}.safetensors"

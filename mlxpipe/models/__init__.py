@@ -11,7 +11,7 @@ Nothing here imports ``mlx`` or ``mlx_lm`` at import time, so ``--help`` stays i
 from typing import Any
 
 from ..errors import ModelError
-from .cache import CONVERTER_VERSION, derived_file, materialize
+from .cache import CONVERTER_VERSION, derived_file, materialize, report_conversion
 from .describe import context_length, describe
 from .source import EMBEDDED_NAME, ModelSource, resolve
 
@@ -35,5 +35,6 @@ __all__ = [
     "derived_file",
     "describe",
     "materialize",
+    "report_conversion",
     "resolve",
 ]

@@ -9,6 +9,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ModelError
@@ -49,11 +50,22 @@ def derived_file(folder: str, tag: str) -> Path | None:
     return cache_dir() / "derived" / f"{path.name}.{re.sub(_UNSAFE, '_', tag)}"
 
 
+# Told of a conversion's progress (the GGUF's name, bytes done, bytes in all), when set: report_conversion.
+_progress: Callable[[str, int, int], None] | None = None
+
+
+def report_conversion(progress: Callable[[str, int, int], None] | None) -> None:
+    """Have ``progress(name, done, total)`` told how far a GGUF conversion is (None: nobody)."""
+    global _progress
+    _progress = progress
+
+
 def convert_gguf(gguf_path: Path, out: Path) -> None:
     """:func:`.gguf.convert_gguf`, imported only when a conversion is due (it imports numpy)."""
     from .gguf import convert_gguf as convert
 
-    convert(gguf_path, out)
+    told = _progress
+    convert(gguf_path, out, None if told is None else lambda done, total: told(gguf_path.name, done, total))
 
 
 def _cache_key(gguf_path: Path) -> str:

@@ -7,8 +7,10 @@ header is planned first), so converting holds a few slices' worth of memory, nev
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,13 +46,13 @@ class _Out:
         return n
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: Callable[[int, int], None] | None = None) -> None:
     """Convert a GGUF file into an MLX model folder at ``out_dir`` (created if needed).
 
     Architectures: see :data:`.config.ARCHITECTURES`. Tensor types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
     Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (:mod:`.quants` says what each becomes); quantized tensors stay
     quantized, each layer keeping its own bit width. Raises ModelError naming what is unsupported, or if the
-    file is truncated or corrupt.
+    file is truncated or corrupt. ``progress(done, total)`` is told the GGUF's bytes converted so far.
     """
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
@@ -95,7 +97,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
         out_dir.mkdir(parents=True, exist_ok=True)
         try:
-            _write_safetensors(out_dir / "model.safetensors", source, plan, arch)
+            _write_safetensors(out_dir / "model.safetensors", source, plan, arch, progress)
         except OSError as e:
             raise ModelError(f"cannot write converted model to {out_dir}: {e}") from None
     _write_json(out_dir / "config.json", config)
@@ -138,7 +140,11 @@ def _rows(source: int, t: TensorInfo, start: int, stop: int) -> np.ndarray:
 
 
 def _write_safetensors(
-    path: Path, source: int, plan: list[tuple[TensorInfo, str, list[_Out]]], arch: str
+    path: Path,
+    source: int,
+    plan: list[tuple[TensorInfo, str, list[_Out]]],
+    arch: str,
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
     offset = 0
@@ -154,6 +160,8 @@ def _write_safetensors(
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     start = 8 + len(text)
+    total = sum(_row_bytes(t) * math.prod(t.shape[:-1]) for t, _, _ in plan)
+    done = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.pwrite(fd, len(text).to_bytes(8, "little") + text, 0)
@@ -176,6 +184,9 @@ def _write_safetensors(
                 for out, piece in zip(outs, pieces, strict=True):
                     at = start + out.offset + r0 * (out.nbytes // rows)
                     os.pwrite(fd, np.ascontiguousarray(piece, dtype=out.dtype).tobytes(), at)
+                done += (r1 - r0) * _row_bytes(t)
+                if progress is not None:
+                    progress(done, total)
     finally:
         os.close(fd)
 
