@@ -134,7 +134,8 @@ def mlx4_folder(f16: Path) -> Path:
     from mlxpipe.models import convert_gguf
 
     with tempfile.TemporaryDirectory(dir=f16.parent) as tmp:
-        plain = convert_gguf(f16, Path(tmp) / "f16")
+        plain = Path(tmp) / "f16"
+        convert_gguf(f16, plain)
         convert(str(plain), str(out), quantize=True, q_group_size=64, q_bits=4)
     return out
 
