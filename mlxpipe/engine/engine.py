@@ -24,6 +24,7 @@ from .. import models
 from ..cpu import blas, gemv, kernels, layers, memory, quantized
 from ..errors import ModelError, first_line
 from ..events import Chunk, Done, decode_tps
+from ..paths import cache_dir
 from ..records import Record
 from . import loader, sampling
 from .batch import Batch, auto_size
@@ -149,7 +150,9 @@ class Engine:
         matrices: list[Any] = []
         if used == "quantized" and accelerator() is None and kernels.available():
             # the packed copies kept by an earlier run of this conversion: mapped, not read and packed again
-            packed_path = models.derived_file(folder, f"packed-{kernels.layout()}.bin")
+            packed_path = models.derived_file(folder, f"packed-{kernels.layout()}.bin") or _packed_path(
+                folder
+            )
             kept_copies = kernels.PackedFile(packed_path) if packed_path is not None else None
             matrices, refused = quantized.to_kernels(model, _FUSED, layers.enabled(), kept_copies)
             if refused:
@@ -353,6 +356,17 @@ class Engine:
         """A :class:`.batch.Batch` of up to ``size`` records generating together."""
         blas.use_threads(size)
         return Batch(self, size)
+
+
+def _packed_path(folder: str) -> Path | None:
+    """Where the kernels' packed copies of a model folder that is not mlxpipe's own conversion (a hub
+    snapshot, a user's) are kept: named by the folder and its weight files' sizes and times."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        return None
+    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key = hashlib.sha256(repr(stats).encode("utf-8", "surrogateescape")).hexdigest()[:24]
+    return cache_dir() / "derived" / f"{Path(folder).name}-{key}.packed-{kernels.layout()}.bin"
 
 
 def _streams() -> tuple[Any, ...]:

@@ -66,7 +66,7 @@ _defer_mlx_lm()
 
 
 def load(folder: str, trust_remote_code: bool = False) -> tuple[Any, Tokenizing]:
-    """``folder``'s model (its weights read lazily from mlxpipe's own folders: the caller evaluates them) and
+    """``folder``'s model (its weights read lazily: the caller evaluates them) and
     its tokenizer's loading, for the caller to start when it is about to wait on mlx (see
     :class:`Tokenizing`); raises what ``mlx_lm.load`` raises."""
     from . import gemma2  # (here: mlx_lm's package must be deferred before its models are imported)
@@ -82,6 +82,7 @@ def load(folder: str, trust_remote_code: bool = False) -> tuple[Any, Tokenizing]
             folder,
             tokenizer_config={"trust_remote_code": trust_remote_code},
             trust_remote_code=trust_remote_code,
+            lazy=True,  # evaluated by the caller: layers whose packed copies are kept are never read
         )
         return model, Tokenizing(lambda: tokenizer)
     model, config = loaded
