@@ -440,12 +440,13 @@ def test_fused_projections_give_the_numbers_of_the_parts(engine: Any) -> None:
         pytest.skip("projections are fused on a CPU with the quantized kernels (AVX-512) only")
     attention = engine.model.model.layers[0].self_attn
     whole = attention.__dict__[quantized.FUSED]
-    if isinstance(whole, kernels.Matrix):  # the quantized weights: its packed values
-        whole = whole.arrays[0]
-    assert gemv._address(whole) == gemv._address(attention.q_proj.weight)  # the parts are views of it
-    assert whole.shape[0] == sum(
-        p.weight.shape[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj)
-    )
+    parts = (attention.q_proj, attention.k_proj, attention.v_proj)
+    if isinstance(whole, kernels.Matrix):  # mlxpipe's kernels: each part computes as its rows of the whole
+        assert all(p.__dict__[quantized.MATRIX].whole is whole for p in parts)
+        assert whole.n == sum(p.weight.shape[0] for p in parts)
+    else:
+        assert gemv._address(whole) == gemv._address(attention.q_proj.weight)  # the parts are views of it
+        assert whole.shape[0] == sum(p.weight.shape[0] for p in parts)
     tokens = mx.array(
         [engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")] * 2
     )
