@@ -214,18 +214,7 @@ def dequantize(
     for key, names in missing.items():
         wholes[key] = mx.concatenate([weights[n] for n in names], axis=0)
         weights.update(_rows(wholes[key], names, shapes))
-    new = []
-    for name, m in layers:
-        weight = weights[name]
-        if isinstance(m, QuantizedEmbedding):
-            layer: Module = Embedding(*weight.shape)
-        else:
-            layer = Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
-            if "bias" in m:
-                layer.bias = m.bias
-        layer.weight = weight
-        new.append((name, layer))
-    model.update_modules(tree_unflatten(new))
+    model.update_modules(tree_unflatten([(name, _float_layer(m, weights[name])) for name, m in layers]))
     modules = dict(model.named_modules())
     for key in joined:
         owner, _, attribute = key.rpartition(".")
@@ -243,17 +232,22 @@ def dequantize_layers(model: Any, names: list[str]) -> None:
     for name in names:
         m = modules[name]
         weight = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, m.mode)
-        if isinstance(m, QuantizedEmbedding):
-            layer: Module = Embedding(*weight.shape)
-        else:
-            layer = Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
-            if "bias" in m:
-                layer.bias = m.bias
-        layer.weight = weight
-        new.append((name, layer))
+        new.append((name, _float_layer(m, weight)))
     model.update_modules(tree_unflatten(new))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
+
+
+def _float_layer(quantized: Any, weight: Any) -> Module:
+    """The float layer of ``weight`` in place of the quantized layer it was dequantized from (its bias kept)."""
+    if isinstance(quantized, QuantizedEmbedding):
+        layer: Module = Embedding(*weight.shape)
+    else:
+        layer = Linear(weight.shape[1], weight.shape[0], bias="bias" in quantized)
+        if "bias" in quantized:
+            layer.bias = quantized.bias
+    layer.weight = weight
+    return layer
 
 
 def _rows(whole: Any, names: tuple[str, ...], shapes: Mapping[str, tuple[int, int]]) -> dict[str, Any]:
