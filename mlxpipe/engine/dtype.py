@@ -239,7 +239,7 @@ def dequantize_layers(model: Any, names: list[str]) -> None:
 
 
 def _float_layer(quantized: Any, weight: Any) -> Module:
-    """The float layer of ``weight`` in place of the quantized layer it was dequantized from (its bias kept)."""
+    """The float layer of ``weight``, for the quantized layer it was dequantized from (its bias kept)."""
     if isinstance(quantized, QuantizedEmbedding):
         layer: Module = Embedding(*weight.shape)
     else:
