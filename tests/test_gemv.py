@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from conftest import REPO, blas_runs_here, cli_env
 
+from mlxpipe import cachefiles
 from mlxpipe.cpu import blas, gemv
 
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
@@ -261,7 +262,7 @@ def test_without_a_compiler_nothing_is_forwarded(
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(gemv.ENV, raising=False)
-    monkeypatch.setattr(gemv.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cachefiles.shutil, "which", lambda name: None)
     assert gemv.install(openblas) == "not built: no C compiler (cc) found"
     assert not list(tmp_path.rglob("*.so"))
 

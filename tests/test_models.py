@@ -222,7 +222,7 @@ def test_lost_race_uses_winner_and_cleans_up(
     def racing_convert(gguf_path: Path, out_dir: Path) -> None:
         # Another process publishes the same target while we are still converting.
         _fake_convert(gguf_path, out_dir)
-        target = out_dir.parent / f"m-{cache._cache_key(gguf_path)[:20]}"
+        target = cache_dir() / "models" / f"m-{cache._cache_key(gguf_path)[:20]}"
         _fake_convert(gguf_path, target)
         (target / "winner").write_text("")
         winner.append(target)

@@ -216,7 +216,7 @@ def _forwarding_fix(forwarding: str) -> str:
     if forwarding.startswith(f"not built: {gemv.NO_COMPILER}"):
         return "install a C compiler (Debian/Ubuntu: apt-get install gcc)"
     if forwarding.startswith("not built: "):
-        return "it is tried again once the compiler or mlxpipe changes"
+        return gemv.build_fix() or "it is tried again once the compiler or mlxpipe changes"
     if forwarding.startswith(f"off ({gemv.ENV}="):
         return f"unset {gemv.ENV}"
     return "see --model-info"

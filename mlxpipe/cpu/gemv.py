@@ -6,7 +6,9 @@ multiplies by each weight matrix. OpenBLAS's ``sgemm`` is 2.5x slower at that sh
 folder, hands it the BLAS's own ``cblas_sgemm`` and ``cblas_sgemv``, and makes it global before the BLAS,
 so that libmlx's ``cblas_sgemm`` binds to it. Without a C compiler nothing changes but the speed. A build
 that fails is remembered (a marker file in the cache folder, keyed by the source and the compiler), so that
-later runs do not pay for it again; a new compiler or a changed source tries again.
+later runs do not pay for it again; a new compiler, a changed source, freed space or a day tries again. The
+library is checked against its manifest before it is mapped (:mod:`mlxpipe.cachefiles`): a damaged one is
+built again instead of crashing the process.
 Installed by :mod:`mlxpipe.cpu.blas`, before mlx is imported; imports nothing from mlx.
 
 A float32 weight matrix that was dequantized from mlx's 4- or 8-bit form can be :func:`attach`-ed to that
@@ -35,15 +37,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import platform
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .. import cachefiles
 from ..errors import first_line
 from ..paths import cache_dir
 from ..switches import setting, turned_off
@@ -71,6 +71,7 @@ __all__ = [
     "attention_alpha",
     "attention_available",
     "attention_calls",
+    "build_fix",
     "detach",
     "install",
     "int8_activations",
@@ -120,6 +121,12 @@ ARGMAX_MAX_COLUMNS = (1 << 24) - 1  # a vocabulary the float32 index holds exact
 MAX_ROWS = 1 << 30  # every product by an attached matrix: a row's sums never depend on the batch or prompt
 _SOURCE = Path(__file__).with_name("gemv.c")
 _shim: Any = None  # the library in front of the BLAS, once installed
+_fix = ""  # what to do about the library install() could not build (a BuildError's fix), once it failed
+
+
+def build_fix() -> str:
+    """The fix for the build failure :func:`install` reported ("not built: ..."), where it knows one."""
+    return _fix
 
 
 def install(blas: Any) -> str:
@@ -146,6 +153,10 @@ def install(blas: Any) -> str:
         shim.mlxpipe_qgemv_shared_min(ctypes.c_long(ONE_ROW_SHARED))
         global _shim
         _shim = _open(path, ctypes.RTLD_GLOBAL)  # promoted now: it comes before the BLAS in the global scope
+    except cachefiles.BuildError as exc:
+        global _fix
+        _fix = exc.fix
+        return f"not built: {exc.cause}"
     except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError) as exc:
         # RuntimeError: the cache folder is under the home folder, and there is none.
         return f"not built: {first_line(exc)}"
@@ -164,42 +175,23 @@ def _open(path: str, mode: int) -> Any:
 def _built() -> str:
     """The compiled library's path, compiling it first if this source has not been compiled here yet.
 
-    Raises OSError when it cannot be built; a compiler's failure is remembered for this source and compiler.
+    The library is checked against its manifest before use (a cut-short or changed file is built again);
+    raises OSError (:class:`~mlxpipe.cachefiles.BuildError`, cause and fix) when it cannot be built or used.
     """
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
     target = cache_dir() / f"gemv-{key}.so"
-    if target.is_file():
-        return str(target)
-    compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    inputs = {"source": hashlib.sha256(source).hexdigest(), "machine": platform.machine()}
+    if cachefiles.check_file(target, inputs) is None and not cachefiles.noexec(target.parent):
+        return str(target)  # the common case: no compiler looked for
+    compiler = cachefiles.find_compiler()
     if compiler is None:
         raise OSError(NO_COMPILER)
-    # A failed build is keyed by the compiler too (its path, size and time): installing or upgrading one
-    # tries again, re-running with the same one does not.
-    stat = os.stat(compiler)
-    compiler_key = hashlib.sha256(f"{compiler}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    marker = cache_dir() / f"gemv-{key}-{compiler_key}.failed"
-    if marker.is_file():
-        raise OSError(f"{marker.read_text(encoding='utf-8').strip()} (remembered in {marker})")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Compiled beside the target and renamed into place: concurrent first runs never see half a file.
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".gemv-", suffix=".so")
-    os.close(fd)
-    try:
-        cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE), "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-        if done.returncode != 0:
-            lines = done.stderr.strip().splitlines()
-            # The first line that says "error" (gcc starts with "In function ...:"), else the first.
-            said = next((x for x in lines if "error" in x), lines[0] if lines else f"exit {done.returncode}")
-            message = f"{Path(compiler).name} failed: {said}"
-            marker.write_text(message + "\n", encoding="utf-8")
-            raise OSError(message)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return str(target)
+
+    def command(out: Path) -> list[str]:
+        return [compiler, "-O2", "-shared", "-fPIC", "-o", str(out), str(_SOURCE), "-lm"]
+
+    return str(cachefiles.build(target, command, compiler, inputs))
 
 
 # ---- quantized one-row products ----------------------------------------------------------------------

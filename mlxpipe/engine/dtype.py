@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +17,7 @@ from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..cachefiles import check_file, publish_file, scratch
 from ..cpu import blas, kernels
 from ..cpu.quantized import QUANTIZED
 from ..errors import ModelError
@@ -276,7 +276,7 @@ class KeptFile:
         self.path = path
         self._loaded: tuple[dict[str, Any], dict[str, str]] | None = None
         self._thread: threading.Thread | None = None
-        if path.is_file():
+        if check_file(path) is None:  # whole: its size, mtime and ends as its manifest says
             self._thread = threading.Thread(target=self._read, name="weights", daemon=True)
             self._thread.start()
 
@@ -329,14 +329,9 @@ def _write(
     if sum(int(w.nbytes) for w in arrays.values()) > STORED_MAX_BYTES:
         return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
-        os.close(fd)
-        try:
-            mx.save_safetensors(tmp, arrays, metadata={_JOINED: json.dumps(dict(joins))})
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with scratch(path.parent) as room:
+            tmp = room / path.name
+            mx.save_safetensors(str(tmp), arrays, metadata={_JOINED: json.dumps(dict(joins))})
+            publish_file(tmp, path, {"version": STORED_VERSION}, whole=False)  # 540 MB: not hashed whole
     except (OSError, RuntimeError, ValueError):
         pass

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from ..cachefiles import check_safetensors, scratch, seal_metadata, seal_safetensors
 from .prompts import common_prefix
 
 __all__ = ["MIN_PREFIX_TOKENS", "PREFIX_CACHE_ENTRIES", "PrefixCache", "prefill"]
@@ -93,7 +93,10 @@ def _copy_kv(cache: Any, n: int) -> Any:
 
 def _read_kv(path: Path, cache: list[Any], n: int) -> bool:
     """Fill ``cache`` (fresh, one per layer) with the ``n`` positions kept at ``path``; False when there is
-    no such file or it does not fit (the caller computes them)."""
+    no such file, it does not fit, or it is not whole: its data's SHA-256 is not the one sealed in it (the
+    caller computes them, and the file is written again)."""
+    if not path.is_file() or check_safetensors(path) is not None:
+        return False
     try:
         kept: Any = mx.load(str(path))
         arrays = [(kept[f"{i}.keys"], kept[f"{i}.values"]) for i in range(len(cache))]
@@ -120,16 +123,12 @@ def _write_kv(path: Path, cache: list[Any], n: int) -> None:
         arrays[f"{i}.keys"], arrays[f"{i}.values"] = c.keys[..., :n, :], c.values[..., :n, :]
     if sum(a.nbytes for a in arrays.values()) > PREFIX_FILE_MAX_BYTES:
         return
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".prefix-", suffix=".safetensors")
-        os.close(fd)
-        try:
-            mx.save_safetensors(tmp, arrays)
+    with contextlib.suppress(OSError, RuntimeError, ValueError):
+        with scratch(path.parent) as room:
+            tmp = room / path.name
+            mx.save_safetensors(str(tmp), arrays, metadata=seal_metadata())
+            seal_safetensors(tmp)  # its data's SHA-256, checked before it is read
             os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
         stem = path.name.split(".prefix-")[0]
         kept = sorted(path.parent.glob(f"{stem}.prefix-*"), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in kept[PREFIX_FILES_KEPT:]:

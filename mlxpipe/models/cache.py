@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import cachefiles
 from ..errors import ModelError
 from ..paths import cache_dir
 from . import hub
@@ -21,7 +20,6 @@ __all__ = ["CONVERTER_VERSION", "derived_file", "materialize"]
 
 # Part of the cache key: bump it whenever the converter's output changes, so old folders are not reused.
 CONVERTER_VERSION = "2"
-_STALE_TEMP_SECONDS = 3600
 _UNSAFE = r"[^\w.-]+"  # what a file name made of a model's name or a tag does not keep
 
 
@@ -83,34 +81,38 @@ def _cached_conversion(gguf_path: Path, name: str | None = None) -> Path:
     if name is None:
         name = gguf_path.name[: -len(".gguf")] if gguf_path.name.lower().endswith(".gguf") else gguf_path.name
     stem = re.sub(r"[^\w.-]+", "_", name)
-    target = models / f"{stem}-{_cache_key(gguf_path)[:20]}"
+    key = _cache_key(gguf_path)
+    target = models / f"{stem}-{key[:20]}"
+    inputs = {"gguf": str(gguf_path.resolve()), "key": key, "converter": CONVERTER_VERSION}
     if (target / "config.json").is_file():
-        if _intact(target):
+        if cachefiles.check_manifest(target) is None:
             return target
-        # Cut short or damaged since it was published (a full disk, a copy, a hand): convert it again.
+        if not (target / cachefiles.MANIFEST).exists() and _intact(target):
+            # Published by an older mlxpipe, before manifests: whole as far as its headers tell; adopted.
+            with contextlib.suppress(OSError):
+                cachefiles.write_manifest(target, inputs)
+            return target
+        # Cut short or changed since it was published (a full disk, a copy, a hand): convert it again.
         _discard(target)
     try:
-        models.mkdir(parents=True, exist_ok=True)
-        _clean_stale_temps(models)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=models))
+        room = cachefiles.Scratch(models)
     except OSError as e:
         raise ModelError(f"cannot create cache folder {models}: {e}") from None
-    try:
-        convert_gguf(gguf_path, tmp)
+    with room:
+        tmp = room.path / "model"
         try:
-            # Atomic publish: readers only ever see a complete folder.
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-            # Another process finished first; theirs is equivalent, use it.
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ModelError(f"cannot write converted model to {models}: {e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            tmp.mkdir()
+            convert_gguf(gguf_path, tmp)
+            cachefiles.write_manifest(tmp, inputs)  # last: what proves the folder whole
+            try:
+                # Atomic publish: readers only ever see a complete folder.
+                os.rename(tmp, target)
+            except OSError:
+                if not (target / "config.json").is_file():
+                    raise
+                # Another process finished first; theirs is equivalent, use it.
+        except OSError as e:
+            raise ModelError(f"cannot write converted model to {models}: {e}") from None
     return target
 
 
@@ -143,22 +145,10 @@ def _intact(folder: Path) -> bool:
 def _discard(target: Path) -> None:
     """Take a damaged conversion out of the way (renamed first, so no reader sees it half-deleted)."""
     try:
-        doomed = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-        os.rename(target, doomed / "damaged")
-        shutil.rmtree(doomed, ignore_errors=True)
+        with cachefiles.scratch(target.parent) as room:
+            os.rename(target, room / "damaged")
     except OSError as e:
         raise ModelError(
             f"the cached conversion {target} is damaged and cannot be removed ({e.strerror}): "
             "delete that folder"
         ) from None
-
-
-def _clean_stale_temps(models: Path) -> None:
-    # Temps from killed processes; an hour is far longer than any conversion takes.
-    cutoff = time.time() - _STALE_TEMP_SECONDS
-    for entry in models.glob(".tmp-*"):
-        try:
-            if entry.stat().st_mtime < cutoff:
-                shutil.rmtree(entry, ignore_errors=True)
-        except OSError:
-            pass
