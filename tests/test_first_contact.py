@@ -89,8 +89,8 @@ def test_a_slow_path_is_said_once_when_a_run_starts_and_not_with_quiet(tmp_path:
     assert r.returncode == 0, r.stderr
     assert r.stdout.count(b"\n") == 2
     cause = (
-        "cc failed: gemv.c:1: error: no stdint.h; it is tried again with another compiler, once space is freed "
-        "or after a day"
+        "cc failed: gemv.c:1: error: no stdint.h; it is tried again with another compiler, once space "
+        "is freed or after a day"
     )
     runs_here = [source for source, path in blas._candidates() if blas_runs_here(source, path)]
     if runs_here and runs_here[0] in blas._PREFIXES:  # scipy-openblas32 (a CPU without AVX-512)
