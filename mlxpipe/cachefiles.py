@@ -507,6 +507,14 @@ def _remembered(marker: Path, folder: Path) -> str | None:
     return message
 
 
+def _die_with_parent() -> None:
+    """In the compiler's process (Linux): killed when mlxpipe dies, even by SIGKILL, instead of writing on."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _said(stderr: str, returncode: int) -> str:
     lines = stderr.strip().splitlines()
     # The first line that says "error" (gcc starts with "In function ...:"), else the first.
@@ -565,6 +573,7 @@ def build(
                 start_new_session=True,
                 cwd=room.path,
                 env={**os.environ, "TMPDIR": str(room.path)},  # its intermediates removed with the folder
+                preexec_fn=_die_with_parent,
             )
         except OSError as e:
             raise BuildError(f"{name} could not be run: {e.strerror}", "check the compiler (CC)") from None
