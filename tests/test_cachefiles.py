@@ -109,6 +109,7 @@ def test_a_cut_short_kernel_is_rebuilt_and_model_info_says_forwarding(tmp_path: 
     shared = Path(gemv._built())  # the session cache's library, built once
     cache = tmp_path / "cache" / "mlxpipe"
     cache.mkdir(parents=True)
+    (cache_dir() / "models").mkdir(parents=True, exist_ok=True)
     (cache / "models").symlink_to(cache_dir() / "models")  # the converted embedded model: not converted again
     target = cache / shared.name
     shutil.copyfile(shared, target)
