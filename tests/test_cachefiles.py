@@ -332,19 +332,23 @@ def _tree(root: Path) -> list[str]:
 def test_interrupted_cold_runs_leave_nothing_once_a_run_succeeds(tmp_path: Path) -> None:
     # Interrupt a first run at many points (building the kernels, converting, writing the float32 matrices)
     # by every signal, kill -9 included; one good run after: the cache holds exactly what a clean run leaves.
+    hi = tmp_path / "hi.txt"
+    hi.write_text("hi\n")
+
     def start(cache: Path) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [*MLXPIPE, "-n", "2", "--temp", "0"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env=cli_env(XDG_CACHE_HOME=str(cache)),
-            cwd=REPO,
-        )
+        with open(hi, "rb") as stdin:
+            return subprocess.Popen(
+                [*MLXPIPE, "-n", "2", "--temp", "0"],
+                stdin=stdin,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=cli_env(XDG_CACHE_HOME=str(cache)),
+                cwd=REPO,
+            )
 
     clean = tmp_path / "clean"
     run = start(clean)
-    run.communicate(b"hi\n", timeout=600)
+    run.communicate(timeout=600)
     assert run.returncode == 0
     cache = tmp_path / "interrupted"
     plan = [
@@ -360,9 +364,6 @@ def test_interrupted_cold_runs_leave_nothing_once_a_run_succeeds(tmp_path: Path)
     ]
     for delay, signum in plan:
         run = start(cache)
-        assert run.stdin is not None
-        run.stdin.write(b"hi\n")
-        run.stdin.close()
         try:
             run.wait(timeout=delay)
         except subprocess.TimeoutExpired:
@@ -371,6 +372,6 @@ def test_interrupted_cold_runs_leave_nothing_once_a_run_succeeds(tmp_path: Path)
         assert b"Traceback" not in err
         assert run.returncode in (0, -signum, 128 + signum), (delay, signum, run.returncode, err)
     run = start(cache)
-    _, err = run.communicate(b"hi\n", timeout=600)
+    _, err = run.communicate(timeout=600)
     assert run.returncode == 0, err
     assert _tree(cache) == _tree(clean)
