@@ -271,7 +271,7 @@ def test_a_converted_model_changed_in_place_is_converted_again(
     with open(data, "r+b") as f:  # same size, other bytes
         f.seek(3000)
         f.write(b"XXXX")
-    assert "changed" in (cachefiles.check_manifest(folder) or "")
+    assert cachefiles.check_manifest(folder) is not None
     assert Path(materialize(resolve(str(gguf)))) == folder and len(conversions) == 2
     assert cachefiles.check_manifest(folder) is None
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
@@ -375,3 +375,45 @@ def test_interrupted_cold_runs_leave_nothing_once_a_run_succeeds(tmp_path: Path)
     _, err = run.communicate(timeout=600)
     assert run.returncode == 0, err
     assert _tree(cache) == _tree(clean)
+
+
+def test_a_large_file_is_checked_by_size_mtime_and_ends(tmp_path: Path) -> None:
+    # The float32 file (540 MB) is not hashed whole at every start: a rewrite in place changes its mtime.
+    made = tmp_path / "made"
+    made.write_bytes(bytes(range(256)) * 4096)
+    target = tmp_path / "kept.safetensors"
+    cachefiles.publish_file(made, target, {"version": "v2"}, whole=False)
+    assert cachefiles.check_file(target, {"version": "v2"}) is None
+    assert "other inputs" in (cachefiles.check_file(target, {"version": "v3"}) or "")
+    st = target.stat()
+    os.utime(
+        target, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9)
+    )  # rewritten in place, same bytes at its ends
+    assert "changed after it was written" in (cachefiles.check_file(target) or "")
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with open(target, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 16)
+    assert cachefiles.check_file(target) is not None  # its mtime, or else its first 64 KiB, tell
+    os.truncate(target, 1000)
+    assert "1000 bytes" in (cachefiles.check_file(target) or "")
+    cachefiles.discard_file(target)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_conversion_published_before_manifests_is_adopted_when_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlxpipe.models import cache, materialize, resolve
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "convert_gguf", lambda gguf, out: pytest.fail("converted again"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    folder = cache_dir() / "models" / f"m-{cache._cache_key(gguf)[:20]}"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    assert Path(materialize(resolve(str(gguf)))) == folder
+    assert cachefiles.check_manifest(folder) is None
