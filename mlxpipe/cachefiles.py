@@ -102,7 +102,8 @@ class Scratch:
         while True:
             path = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=folder))
             fd = os.open(path, os.O_RDONLY)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            with contextlib.suppress(OSError):  # a filesystem without locks: removed by age instead
+                fcntl.flock(fd, fcntl.LOCK_EX)
             # A cleaner may have taken it between mkdtemp and flock (it saw a free lock): start again.
             with contextlib.suppress(OSError):
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:
@@ -210,9 +211,14 @@ def _remove_if_unlocked(path: Path) -> None:
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # its owner lives
+    except BlockingIOError:  # its owner lives
         os.close(fd)
         return
+    except OSError:  # a filesystem without locks (some NFS): its age tells instead
+        stale = os.fstat(fd).st_mtime < time.time() - STALE_SECONDS
+        if not stale:
+            os.close(fd)
+            return
     try:
         _remove(path)
     finally:
