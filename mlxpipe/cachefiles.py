@@ -462,12 +462,13 @@ def noexec(folder: Path) -> bool:
         return False
 
 
-def _timeout() -> float:
+def _timeout(default: float) -> float:
+    """``MLXPIPE_CC_TIMEOUT`` where it is a positive number of seconds, else ``default``."""
     try:
-        value = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT)
+        value = float(os.environ.get(TIMEOUT_ENV) or default)
     except ValueError:
-        return DEFAULT_TIMEOUT
-    return value if value > 0 else DEFAULT_TIMEOUT
+        return default
+    return value if value > 0 else default
 
 
 def _library_whole(path: Path) -> str | None:
@@ -532,17 +533,19 @@ def build(
     command: Callable[[Path], list[str]],
     compiler: str,
     inputs: Mapping[str, str],
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Path:
     """``target`` (a shared library in the cache) checked and returned, else compiled first and published.
 
     ``command(out)``: the compiler's argv that writes the library to ``out``; it runs in a scratch folder
-    under a time limit (``MLXPIPE_CC_TIMEOUT`` seconds, default 120), in a session of its own (killed with
-    its children on the limit or a signal). ``compiler``: its path, whose :func:`compiler_identity` keys the
-    failure marker. ``inputs``: what the library was made from (source hash, platform, …), kept in its
-    manifest; a library whose manifest, size or content differs is built again. ``target``'s name must
-    change with the source. Raises :class:`BuildError` (cause and fix) when it cannot be built or used here;
-    a compiler's failure is remembered in ``NAME.IDENTITY.failed`` and tried again with another compiler,
-    after a day, or once more space is free.
+    under a time limit (``MLXPIPE_CC_TIMEOUT`` seconds where set, else ``timeout``), in a session of its own
+    (killed with its children on the limit or a signal). ``compiler``: its path, whose
+    :func:`compiler_identity` keys the failure marker. ``inputs``: what the library was made from (source
+    hash, versions, platform), kept in its manifest; a library whose manifest, size or content differs is
+    built again. ``target``'s name must change with the source. Raises :class:`BuildError` (cause and fix)
+    when it cannot be built or used here; a compiler's failure is remembered in ``NAME.IDENTITY.failed`` and
+    tried again with another compiler, after a day, or once more space is free.
     """
     folder = target.parent
     folder.mkdir(parents=True, exist_ok=True)
@@ -565,7 +568,7 @@ def build(
             f"it is tried again with another compiler, once space is freed or after a day; delete {marker} "
             "to try now",
         )
-    limit = _timeout()
+    limit = _timeout(timeout)
     with Scratch(folder) as room:
         out = room.path / target.name
         try:

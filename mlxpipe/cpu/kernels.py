@@ -16,12 +16,9 @@ import hashlib
 import importlib.util
 import json
 import mmap
-import os
-import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -29,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .. import cachefiles
 from ..errors import first_line
 from ..paths import cache_dir
 from ..switches import setting, turned_off
@@ -126,6 +124,9 @@ class PackedFile:
         self._base = 0
         self.made: dict[str, tuple[int, int, bool, list[int]]] = {}  # copies packed in this run: to keep
         try:
+            why = cachefiles.check_file(path)  # size, mtime and ends as its manifest says: else made again
+            if why is not None:
+                raise ValueError(why)
             with open(path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
             tail = self._map[-16:]
@@ -160,10 +161,9 @@ class PackedFile:
             return
         index: dict[str, list[Any]] = {}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tmp-", suffix=".packed")
-            try:
-                with os.fdopen(fd, "wb") as f:
+            with cachefiles.scratch(self.path.parent) as room:  # removed on the way out, or by the next run
+                tmp = room / self.path.name
+                with open(tmp, "wb") as f:
                     kept = [(n, self._base + e[0], e[1], e[2], e[3]) for n, e in self.index.items()]
                     made = [(n, *e) for n, e in self.made.items()]
                     for name, address, size, half, form in [*kept, *made]:
@@ -172,10 +172,7 @@ class PackedFile:
                         f.write(ctypes.string_at(address, size))
                     data = json.dumps(index).encode()
                     f.write(data + len(data).to_bytes(8, "little") + self.MAGIC)
-                os.replace(tmp, self.path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+                cachefiles.publish_file(tmp, self.path, {"magic": self.MAGIC.decode()}, whole=False)
         except OSError:
             pass
 
@@ -229,7 +226,8 @@ def _imported(path: str) -> Any:
 
 def _built() -> str:
     """The compiled module's path, compiling it first where this source, mlx and nanobind have not been
-    compiled here yet. Raises OSError when it cannot be built (remembered per compiler, like gemv.c's)."""
+    compiled here yet (:func:`mlxpipe.cachefiles.build`: checked before it is imported, a damaged one built
+    again). Raises OSError when it cannot be built (remembered per compiler, like gemv.c's)."""
     import nanobind  # a build requirement only: imported here, not at start-up
 
     mlx_dir = Path(mx.__file__).resolve().parent
@@ -240,42 +238,33 @@ def _built() -> str:
     )
     key = hashlib.sha256(inputs).hexdigest()[:16]
     target = cache_dir() / f"kernels-{key}{suffix}"
-    if target.is_file():
+    made_from = {
+        "source": hashlib.sha256(_SOURCE.read_bytes()).hexdigest(),
+        "mlx": getattr(mx, "__version__", ""),
+        "nanobind": nanobind.__version__,
+        "mlx_dir": str(mlx_dir),
+    }
+    if cachefiles.check_file(target, made_from) is None and not cachefiles.noexec(target.parent):
         return str(target)
-    compiler = shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++")
+    compiler = cachefiles.find_compiler("CXX", ("c++", "g++"))
     if compiler is None:
         raise OSError("no C++ compiler (c++) found")
-    stat = os.stat(compiler)
-    compiler_key = hashlib.sha256(f"{compiler}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    marker = cache_dir() / f"kernels-{key}-{compiler_key}.failed"
-    if marker.is_file():
-        raise OSError(f"{marker.read_text(encoding='utf-8').strip()} (remembered in {marker})")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".kernels-", suffix=suffix)
-    os.close(fd)
+    cxx = compiler
     nb = Path(nanobind.source_dir()).parent
     lib = mlx_dir / "lib"
-    cmd = [
-        compiler, "-std=c++20", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-DNDEBUG",
-        "-DNB_DOMAIN=mlx",  # mlx's own nanobind domain: the module then takes mlx's arrays
-        f"-I{nanobind.include_dir()}", f"-I{nb / 'ext' / 'robin_map' / 'include'}",
-        f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}",
-        str(_SOURCE), str(Path(nanobind.source_dir()) / "nb_combined.cpp"),
-        f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}", "-o", tmp,
-    ]  # fmt: skip
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-        if done.returncode != 0:
-            lines = done.stderr.strip().splitlines()
-            said = next((x for x in lines if "error" in x), lines[0] if lines else f"exit {done.returncode}")
-            message = f"{Path(compiler).name} failed: {said}"
-            marker.write_text(message + "\n", encoding="utf-8")
-            raise OSError(message)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return str(target)
+
+    def command(out: Path) -> list[str]:
+        return [
+            cxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-DNDEBUG",
+            "-DNB_DOMAIN=mlx",  # mlx's own nanobind domain: the module then takes mlx's arrays
+            f"-I{nanobind.include_dir()}", f"-I{nb / 'ext' / 'robin_map' / 'include'}",
+            f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}",
+            str(_SOURCE), str(Path(nanobind.source_dir()) / "nb_combined.cpp"),
+            f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}", "-o", str(out),
+        ]  # fmt: skip
+
+    # nanobind's sources too: a C++ build takes several times gemv.c's
+    return str(cachefiles.build(target, command, compiler, made_from, timeout=300))
 
 
 if sys.platform != "linux":  # gemv.c's kernels are Linux's (the BLAS they stand before is the Linux wheel's)
