@@ -585,7 +585,9 @@ def build(
                 preexec_fn=_die_with_parent,
             )
         except OSError as e:
-            raise BuildError(f"{name} could not be run: {e.strerror}", "check the compiler (CC)") from None
+            raise BuildError(
+                f"{name} could not be run: {e.strerror}", "check that the compiler runs (CC, CXX)"
+            ) from None
         room.adopt(process.pid)
         timed_out = False
         try:
