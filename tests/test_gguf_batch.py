@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 from gguf_factory import ARCHS, mlx_folder_from_gguf, tiny_bpe, write_gguf
+from test_batch import _WordBatch
 
 from mlxpipe.events import FINAL_EVENTS, Chunk, Done, Error
 from mlxpipe.pipeline import run
@@ -175,38 +176,24 @@ def test_sliding_window_past_the_window_matches_a_reference_on_every_path(arch: 
 # --- a model that fails in a batch step ----------------------------------------------------------------
 
 
-class _FailingBatch:
-    """Answers each record with its prompt's words, one a step; a step with a record whose next word is
-    "boom" raises before any event, as a model's exception would, noting the records in flight."""
+class _FailingBatch(_WordBatch):
+    """Answers each record with its prompt's words, one a step (test_batch's stand-in); a step with a record
+    whose next word is "boom" raises before any event, as a model's exception would, noting the records in
+    flight."""
 
     def __init__(self, failed: list[set[int]]) -> None:
-        self.slots: dict[int, tuple[Record, list[str]]] = {}
+        super().__init__(0)
         self.failed = failed
 
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    def add(self, record: Record) -> None:
-        self.slots[record.index] = (record, (record.prompt or "").split())
-
-    def step(self) -> list[Chunk | Done | Error]:
+    def step(self) -> list[Chunk | Done]:
         if any(words[0] == "boom" for _, words in self.slots.values()):
             self.failed.append(set(self.slots))
             raise ValueError("[broadcast_shapes] Shapes (4,1,8,8) and (4,2,2,8,8) cannot be broadcast.\nmore")
-        out: list[Chunk | Done | Error] = []
-        for index, (record, words) in list(self.slots.items()):
-            out.append(Chunk(index, record.id, words.pop(0), 1, 1.0))
-            if not words:
-                out.append(Done(index, record.id, "", "stop", 1, 1.0, 1, 1.0, 1, None))
-                del self.slots[index]
-        return out
+        return super().step()
 
-    def interrupt(self) -> list[Chunk | Done | Error]:
+    def interrupt(self) -> list[Chunk | Done]:
         self.slots.clear()
         return []
-
-    def close(self) -> None:
-        self.slots.clear()
 
 
 class _FailingEngine:
