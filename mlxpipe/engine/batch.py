@@ -20,6 +20,7 @@ from ..records import Record
 from .choices import choose
 from .generate import greedy_argmax
 from .sampling import StopStrings
+from .tokenizer import finalize_whole
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -457,7 +458,7 @@ class Batch:
                 slot.detokenizer.add_token(r.token)
                 finish = r.finish_reason
             if finish is not None:
-                slot.detokenizer.finalize()
+                finalize_whole(slot.detokenizer)
             segment, finish = slot.stops.feed(slot.detokenizer.last_segment, finish)
             events.extend(self._emit(r.uid, slot, segment, finish, now))
             if finish is not None and r.finish_reason is None:
@@ -478,7 +479,7 @@ class Batch:
         now = time.perf_counter()
         self._remove(list(self._slots))
         for uid, slot in sorted(self._slots.items(), key=lambda item: item[1].record.index):
-            slot.detokenizer.finalize()
+            finalize_whole(slot.detokenizer)
             segment, finish = slot.stops.feed(slot.detokenizer.last_segment, None)
             if finish is None:
                 segment, finish = segment + slot.stops.flush(), "interrupted"
