@@ -20,7 +20,9 @@ ignore what they do not know.
 
     {"event": "error", "id": ..., "file": str, "line": int, "error": str}
 
-``id`` is the record's own ``id`` field when it has one, else its 1-based record number.
+``id`` is the record's own ``id`` field when it has one, else its 1-based record number. In JSONL output
+no two records share one: a record whose id an earlier record has (``{"id": 4}`` and the fourth record
+without an ``id``) is an ``error`` line saying so (:func:`mlxpipe.reader.unique_ids`).
 ``tokens`` counts generated tokens so far (the EOS token included, as mlx-lm counts them);
 ``tps`` is generation tokens per second: the tokens after the first over the time since the first came
 (:func:`decode_tps`), so 0.0 until a second token has come (one token alone has no rate), the same one at a

@@ -403,3 +403,36 @@ def records_from_objects(
     for number, item in enumerate(items, 1):
         reader.count = number
         yield reader.parse("<api>", number, json.dumps(item, ensure_ascii=False).encode())
+
+
+def unique_ids(records: Iterable[Record | BadRecord]) -> Iterator[Record | BadRecord]:
+    """``records``, each whose id an earlier record already has turned into a :class:`BadRecord` saying so.
+
+    A record without ``id`` is known by its number, so ``{"id": 4}`` and the fourth record without one
+    would share an id, and ``--resume`` would skip whichever came second. The later of the two is refused
+    (its error line carries the id; ``--resume`` never skips an error), on every rank alike. Memory grows
+    only with the records whose id is not their number.
+    """
+    moved: set[int] = set()  # numbers of records whose id is not their number
+    where: dict[Any, tuple[str, int]] = {}  # those ids, and where their record was
+    for record in records:
+        rid = record.id
+        own = type(rid) is int and rid == record.index
+        earlier = None
+        if rid in where:
+            earlier = "the record at {}:{}".format(*where[rid])
+        elif type(rid) is int and 1 <= rid < record.index and rid not in moved:
+            earlier = f"record {rid}, which has no 'id' and is known by its number"
+        if earlier is not None:
+            yield BadRecord(
+                record.index,
+                record.file,
+                record.line,
+                rid,
+                f"id {_shown(rid)} is already the id of {earlier}; ids must be unique",
+            )
+        else:
+            yield record
+        if not own:
+            moved.add(record.index)
+            where.setdefault(rid, (record.file, record.line))

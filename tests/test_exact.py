@@ -5,14 +5,86 @@ an answer cut inside a multi-byte character never ends in U+FFFD, and the smalle
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import REPO, cli_env, run_cli
+
+FAKECLI = [sys.executable, str(REPO / "tests" / "fakecli.py")]
+
+
+def _fake(args: list[str], input: bytes = b"", **env: str) -> subprocess.CompletedProcess[bytes]:
+    """The real command line with the fake engine (tests/fakecli.py)."""
+    return subprocess.run(
+        [*FAKECLI, *args], input=input, capture_output=True, env=cli_env(**env), cwd=REPO, timeout=120
+    )
 
 
 def _events(stdout: bytes) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Record ids never collide
+
+# Records 4 and 7 have no id, so their number is their id: 4 is record 1's explicit id, and record 6's "x"
+# repeats record 5's; record 8 takes the number of record 2, which has none. The later of each pair is refused.
+COLLIDING = [
+    {"id": 4, "prompt": "a"},
+    {"prompt": "b"},
+    {"prompt": "c"},
+    {"prompt": "d"},
+    {"id": "x", "prompt": "e"},
+    {"id": "x", "prompt": "f"},
+    {"prompt": "g"},
+    {"id": 2, "prompt": "h"},
+    {"id": "4", "prompt": "i"},  # a string: not the integer 4
+]
+REFUSED = {4, 6, 8}  # record numbers
+
+
+def _write_colliding(path: Path) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in COLLIDING))
+    return path
+
+
+def test_a_record_whose_id_an_earlier_one_has_is_refused_not_skipped(tmp_path: Path) -> None:
+    data = _write_colliding(tmp_path / "in.jsonl")
+    r = _fake(["--jsonl", "--no-stream", str(data)])
+    assert r.returncode == 1 and b"Traceback" not in r.stderr
+    finals = _events(r.stdout)
+    assert len(finals) == len(COLLIDING)  # one final line each, in input order
+    assert [f["line"] for f in finals if f["event"] == "error"] == sorted(REFUSED)
+    assert [f["input"]["prompt"] for f in finals if f["event"] == "done"] == ["a", "b", "c", "e", "g", "i"]
+    err = r.stderr.decode()
+    assert f"error (at {data}:4): id 4 is already the id of the record at {data}:1; ids must be unique" in err
+    assert f'(at {data}:6): id "x" is already the id of the record at {data}:5' in err
+    assert f"(at {data}:8): id 2 is already the id of record 2, which has no 'id'" in err
+
+
+@pytest.mark.parametrize("batch", ["1", "3"])
+def test_resume_never_skips_a_record_for_another_records_id(tmp_path: Path, batch: str) -> None:
+    data = _write_colliding(tmp_path / "in.jsonl")
+    out = tmp_path / "out.jsonl"
+    first = _fake(["--jsonl", "--batch", batch, "--resume", str(out), str(data)])
+    assert first.returncode == 1 and first.stdout == b""
+    lines = _events(out.read_bytes())
+    assert sorted(e["line"] for e in lines if e["event"] == "error") == sorted(REFUSED)
+    assert sum(e["event"] == "done" for e in lines) == len(COLLIDING) - len(REFUSED)
+    # Again: the done records are skipped, each refused one is refused again (never taken as done).
+    again = _fake(["--jsonl", "--batch", batch, "--resume", str(out), str(data)])
+    assert again.returncode == 1
+    more = _events(out.read_bytes())[len(lines) :]
+    assert sorted(e["line"] for e in more) == sorted(REFUSED)
+    assert all(e["event"] == "error" for e in more)
+
+
+def test_text_output_carries_no_id_and_refuses_none(tmp_path: Path) -> None:
+    data = _write_colliding(tmp_path / "in.jsonl")
+    r = _fake(["--in", "jsonl", "--one-line", str(data)])
+    assert r.returncode == 0 and r.stdout.count(b"\n") == len(COLLIDING)
 
 
 # ---------------------------------------------------------------------------------------------

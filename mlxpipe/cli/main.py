@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from .. import launcher
 from ..errors import ModelError, UsageError
 from ..events import Done, Error, Event
-from ..reader import InputFormat, RecordReader
+from ..reader import InputFormat, RecordReader, unique_ids
 from ..records import BadRecord, Record
 from ..resume import ResumeFile
 from . import inputs, interactive
@@ -294,10 +294,12 @@ def _records(job: _Job, reader: RecordReader, resume: ResumeFile | None) -> Iter
     records = inputs.records(
         args.files, reader, private_stdin=args.batch > 1, prompts=args.prompt, slurp=args.slurp
     )
+    if args.out_format == "jsonl":  # where ids are written: a record is never mistaken for another
+        records = unique_ids(records)
     if job.conversation is not None:
         records = job.conversation.turns(records)
-    if resume is not None:
-        records = (r for r in records if not resume.is_done(r.id))
+    if resume is not None:  # an error line is never skipped: it may be a refused duplicate of a done id
+        records = (r for r in records if isinstance(r, BadRecord) or not resume.is_done(r.id))
     return records
 
 
