@@ -9,7 +9,8 @@ What is accepted, and what is not (each refused record becomes one error line; t
 - Records end at ``\n`` (``\0`` with ``-z``); a last record without a separator counts. One ``\r``
   before the separator is dropped (CRLF files), and so is a UTF-8 byte order mark at the start of each
   input file (in JSONL mode, as jsonlines reads it, at the start of any line). Records whose bytes are
-  all whitespace are skipped but counted for line numbers.
+  all whitespace are skipped but counted for line numbers; the next record carries how many came right
+  before it (``blanks``), so text output with ``--one-line`` or ``-z`` gives each its empty line.
 - Lines mode: the line is the prompt verbatim (surrounding whitespace kept). It must be UTF-8 and hold
   no NUL byte (use ``-z`` for NUL-separated records).
 - JSONL mode: one JSON value per line, surrounding whitespace ignored. It must be UTF-8 without NUL
@@ -268,12 +269,22 @@ class RecordReader:
         self.fmt = fmt
         self.settings = settings
         self.count = 0
+        # Blank records read since the last record: not records, but line N of text output answers line N,
+        # so each is carried by the next record (:attr:`Record.blanks`); those left at the end are trailing.
+        self.blanks = 0
 
     def read(self, name: str, stream: IO[bytes]) -> Iterator[Record | BadRecord]:
         """Yield one :class:`Record` or :class:`BadRecord` per non-blank record of ``stream``.
 
         A read that fails ends ``stream`` with one :class:`BadRecord` saying why (:meth:`unreadable`).
         """
+        for record in self._read(name, stream):
+            if self.blanks:
+                record = replace(record, blanks=self.blanks)
+                self.blanks = 0
+            yield record
+
+    def _read(self, name: str, stream: IO[bytes]) -> Iterator[Record | BadRecord]:
         sep = b"\0" if self.fmt.null else b"\n"
         lines = split_records(stream, sep, self.fmt.max_line_bytes)
         line = 0
@@ -290,7 +301,8 @@ class RecordReader:
                 if line == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
                     raw = raw[3:]
                 if not raw.strip():
-                    continue  # blank lines are skipped, but still counted
+                    self.blanks += 1  # skipped, but still counted
+                    continue
             self.count += 1
             if raw is None:
                 yield BadRecord(
@@ -307,7 +319,8 @@ class RecordReader:
         """The error line of input ``name`` that could not be opened or read on from ``line`` on."""
         self.count += 1
         reason = exc.strerror or type(exc).__name__
-        return BadRecord(self.count, name, line, self.count, f"cannot read {name}: {reason}")
+        blanks, self.blanks = self.blanks, 0  # an earlier input's trailing blank lines come before it
+        return BadRecord(self.count, name, line, self.count, f"cannot read {name}: {reason}", blanks)
 
     def parse(self, name: str, line: int, raw: bytes) -> Record | BadRecord:
         """Turn one record's bytes (separator stripped) into a record numbered ``self.count``."""

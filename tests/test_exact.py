@@ -88,6 +88,59 @@ def test_text_output_carries_no_id_and_refuses_none(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# 4. Line N answers line N
+
+# Blank and whitespace-only lines, a CRLF blank, a line that is not UTF-8 (a failed record), and blank lines
+# at the end: every one of them gets its output line.
+LINES = [b"What is 2+2?", b"", b"   ", b"\r", b"Name a colour.", b"\xff\xfe bad", b"Say hi.", b"", b""]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("batch", ["1", "4"])
+def test_one_line_gives_every_input_line_its_output_line(tmp_path: Path, batch: str) -> None:
+    questions = tmp_path / "questions.txt"
+    questions.write_bytes(b"\n".join(LINES) + b"\n")
+    r = run_cli(["-n", "3", "--one-line", "--batch", batch, str(questions)])
+    assert r.returncode == 1  # the line that is not UTF-8
+    out = r.stdout.split(b"\n")
+    assert out[-1] == b"" and len(out) - 1 == len(LINES)
+    for line, answer in zip(LINES, out, strict=False):
+        answered = line.strip() and not line.startswith(b"\xff")
+        assert bool(answer) == bool(answered), (line, answer)
+    # The README's recipe pairs each question with its own answer.
+    pasted = subprocess.run(
+        ["sh", "-c", f"paste {questions} - | cut -f1"], input=r.stdout, capture_output=True, check=True
+    )
+    assert pasted.stdout.split(b"\n")[:-1] == LINES
+
+
+@pytest.mark.model
+def test_with_z_every_input_record_gets_its_output_record(tmp_path: Path) -> None:
+    data = b"\0".join([b"Say hi.", b"", b" \n ", b"Name a fruit.\nOne word.", b""]) + b"\0"
+    for extra in ([], ["--one-line"]):
+        r = run_cli(["-z", "-n", "3", *extra], input=data)
+        assert r.returncode == 0, r.stderr
+        out = r.stdout.split(b"\0")
+        assert len(out) == 6 and out[-1] == b""
+        assert [bool(o) for o in out[:-1]] == [True, False, False, True, False]
+
+
+def test_blank_lines_are_kept_across_files_errors_and_an_empty_run(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.txt", tmp_path / "b.jsonl"
+    a.write_bytes(b"one\n\n\n")
+    b.write_bytes(b'\n"two"\n{"prompt": 3}\n\n')
+    r = _fake(["--in", "jsonl", "--one-line", str(a), str(b)])
+    # a.txt read as JSONL: "one" is not JSON (an error, an empty line); b's third record a bad prompt.
+    assert r.returncode == 1
+    assert r.stdout == b"\n\n\n\necho: two\n\n\n"
+    assert _fake(["--one-line"], input=b"\n \n\n").stdout == b"\n\n\n"  # no record at all: no model
+    assert _fake(["--one-line", "--batch", "2", "-z"], input=b"\0a\0\0").stdout == b"\0echo: a\0\0"
+    # JSONL and plain text output keep to records: blank lines are not records there.
+    assert _fake(["--jsonl", "--no-stream"], input=b'\n"x"\n\n').stdout.count(b"\n") == 1
+    assert _fake([], input=b"x\n\ny\n").stdout == b"echo: x\necho: y\n"
+
+
+# ---------------------------------------------------------------------------------------------
 # 5. No half characters
 
 

@@ -238,6 +238,7 @@ class _Job:
         self.stats = Stats()
         self.cut = 0  # records whose done line says "interrupted"
         self.conversation = interactive.Conversation() if args.conversation else None
+        self.blanks: dict[int, int] = {}  # record number -> blank input records right before it
 
 
 def _run(
@@ -254,6 +255,13 @@ def _run(
         # The input has arrived (or ended): an empty one (or one --resume has done) needs no model.
         first = next(records, None)
         if first is None:
+            try:  # blank lines only: each still gets its empty line with --one-line or -z
+                _renderer(args, resume, constraint).blank_lines(reader.blanks)
+            except BrokenPipeError:
+                pass
+            except OutputError as exc:
+                console.say(f"mlxpipe: error: {exc}")
+                return EXIT_OUTPUT
             if args.stats:
                 console.say(job.stats.line(0.0))
             return EXIT_OK
@@ -274,7 +282,7 @@ def _run(
                 args.files, args.null, args.max_line_bytes, args.quiet, total=total_records(args, None)
             )
         started = time.perf_counter()
-        status = _write(job, _events(job, engine, records), renderer, resume)
+        status = _write(job, _events(job, engine, records), renderer, resume, reader)
         if status is not None:
             return status
         if ranks.rank:  # rank 0 carries the job's status, a stop included
@@ -300,7 +308,15 @@ def _records(job: _Job, reader: RecordReader, resume: ResumeFile | None) -> Iter
         records = job.conversation.turns(records)
     if resume is not None:  # an error line is never skipped: it may be a refused duplicate of a done id
         records = (r for r in records if isinstance(r, BadRecord) or not resume.is_done(r.id))
-    return records
+    return _noting_blanks(job, records)
+
+
+def _noting_blanks(job: _Job, records: Iterator[Record | BadRecord]) -> Iterator[Record | BadRecord]:
+    """``records``, each one's blank lines before it noted for :func:`_write` (which may run ahead of it)."""
+    for record in records:
+        if record.blanks:
+            job.blanks[record.index] = record.blanks
+        yield record
 
 
 def _renderer(args: argparse.Namespace, resume: ResumeFile | None, constraint: Constraint | None) -> Renderer:
@@ -358,7 +374,11 @@ def _events(job: _Job, engine: Engine, records: Iterator[Record | BadRecord]) ->
 
 
 def _write(
-    job: _Job, events: Generator[Event, None, None], renderer: Renderer, resume: ResumeFile | None
+    job: _Job,
+    events: Generator[Event, None, None],
+    renderer: Renderer,
+    resume: ResumeFile | None,
+    reader: RecordReader,
 ) -> int | None:
     """Render ``events`` (rank 0 writes; every rank counts); an exit status when the run ends early."""
     from ..distributed import RankLost, RanksDisagree
@@ -367,7 +387,9 @@ def _write(
     try:
         for event in events:
             stats.add(event)
+            blanks = job.blanks.pop(event.index, 0) if job.blanks else 0  # at a record's first event
             if job.ranks.rank == 0:  # under mlx.launch only rank 0 writes; the others count, for the status
+                renderer.blank_lines(blanks)
                 console.track(event)
                 if isinstance(event, Error):
                     console.say(event.message())
@@ -381,6 +403,10 @@ def _write(
             if args.fail_fast and isinstance(event, Error):  # every rank sees every event: all stop here
                 events.close()
                 break
+        else:
+            stopped = job.interrupts.signum or job.ranks.stop_signal
+            if job.ranks.rank == 0 and not stopped:  # the input's trailing blank lines
+                renderer.blank_lines(reader.blanks)
     except BrokenPipeError:
         # The reader went away (`| head`): stop generating, say nothing, succeed.
         events.close()

@@ -81,7 +81,19 @@ class Renderer:
         else:  # a failed record still gets its (empty) line, so output line N answers input line N
             self._emit(self.end)
 
+    @property
+    def aligned(self) -> bool:
+        """Whether output line (or NUL record) N answers input line N: text with --one-line or -z."""
+        return not self.jsonl and (self.one_line or self.end == b"\0")
+
+    def blank_lines(self, count: int) -> None:
+        """The empty lines of ``count`` blank input records (not records), when output is :attr:`aligned`."""
+        if count and self.aligned:
+            self._emit(self.end * count)
+
     def _text(self, text: str) -> str:
+        if self.end == b"\0":  # a NUL in an answer would split its record in two
+            text = text.replace("\0", " ")
         return _NEWLINES.sub(" ", text) if self.one_line else text
 
     def _emit(self, data: bytes) -> None:
