@@ -5,12 +5,13 @@ an answer cut inside a multi-byte character never ends in U+FFFD, and the smalle
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env, run_cli
+from conftest import MLXPIPE, REPO, cli_env, run_cli
 
 FAKECLI = [sys.executable, str(REPO / "tests" / "fakecli.py")]
 
@@ -165,3 +166,48 @@ def test_an_answer_cut_inside_a_character_ends_at_the_last_whole_one(tmp_path: P
     texts = [d["text"] for d in done]
     assert any(a == b for a, b in zip(texts, texts[1:], strict=False))
     assert any(ord(c) > 0xFFFF for c in texts[-1])  # an emoji was answered whole (4 bytes, several tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Smaller things
+
+
+def _start(args: list[str], hup: object = signal.SIG_DFL) -> subprocess.Popen[bytes]:
+    """``mlxpipe ARGS`` with SIGHUP at ``hup`` in the child (``SIG_IGN``: as ``nohup`` starts it)."""
+    return subprocess.Popen(
+        [*MLXPIPE, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+        cwd=REPO,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, hup),  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.model
+def test_sighup_ends_the_run_as_sigterm_does_and_nohup_keeps_it_ignored() -> None:
+    p = _start(["--jsonl", "-n", "200", "--batch", "1"])
+    assert p.stdin and p.stdout and p.stderr
+    p.stdin.write(b'"Write a long story about a dragon."\n"Second."\n')
+    p.stdin.close()
+    first = p.stdout.readline()
+    assert json.loads(first)["event"] == "chunk"  # generation has started
+    p.send_signal(signal.SIGHUP)  # the terminal closed
+    rest = p.stdout.read()
+    assert p.wait(timeout=60) == -signal.SIGHUP  # ended by the signal, after its final line
+    lines = [json.loads(line) for line in (first + rest).splitlines()]
+    assert lines[-1]["event"] == "done" and lines[-1]["finish_reason"] == "interrupted"
+    assert sum(e["event"] == "done" for e in lines) == 1
+    assert b"mlxpipe: interrupted by SIGHUP after" in p.stderr.read()
+
+    p = _start(["--jsonl", "-n", "24", "--batch", "1"], hup=signal.SIG_IGN)
+    assert p.stdin and p.stdout and p.stderr
+    p.stdin.write(b'"Write a long story about a dragon."\n"Second."\n')
+    p.stdin.close()
+    first = p.stdout.readline()
+    p.send_signal(signal.SIGHUP)  # under nohup: nothing happens
+    rest = p.stdout.read()
+    assert p.wait(timeout=120) == 0, p.stderr.read()
+    finals = [json.loads(line) for line in (first + rest).splitlines() if b'"done"' in line]
+    assert len(finals) == 2 and all(e["finish_reason"] != "interrupted" for e in finals)
