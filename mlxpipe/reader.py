@@ -272,6 +272,7 @@ class RecordReader:
         # Blank records read since the last record: not records, but line N of text output answers line N,
         # so each is carried by the next record (:attr:`Record.blanks`); those left at the end are trailing.
         self.blanks = 0
+        self._utf16_input: str | None = None  # the input found to be UTF-16
 
     def read(self, name: str, stream: IO[bytes]) -> Iterator[Record | BadRecord]:
         """Yield one :class:`Record` or :class:`BadRecord` per non-blank record of ``stream``.
@@ -325,6 +326,11 @@ class RecordReader:
     def parse(self, name: str, line: int, raw: bytes) -> Record | BadRecord:
         """Turn one record's bytes (separator stripped) into a record numbered ``self.count``."""
         index = self.count
+        if _utf16(raw) or (self._utf16_input == name and b"\0" in raw):  # (its last newline's NUL half)
+            self._utf16_input = name
+            return BadRecord(
+                index, name, line, index, "the input is UTF-16, not UTF-8 (convert it: iconv -f UTF-16 -t UTF-8)"
+            )
         if (nul := raw.find(b"\0")) >= 0:
             return BadRecord(
                 index, name, line, index, f"NUL byte at byte {nul} (NUL-separated input needs -z)"
@@ -392,6 +398,16 @@ class RecordReader:
             return Record(index, name, line, rid, obj, settings, prompt=prompt)
         except ValueError as exc:
             return BadRecord(index, name, line, rid, str(exc))
+
+
+def _utf16(raw: bytes) -> bool:
+    """Whether a record's bytes look like UTF-16: its byte order mark, or a NUL byte in every other place
+    (ASCII text in UTF-16; a line of it after the first begins with the NUL half of the newline)."""
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return True
+    if len(raw) < 4 or b"\0" not in raw:
+        return False
+    return any(half.count(0) * 4 >= len(half) * 3 for half in (raw[0::2], raw[1::2]))
 
 
 def _json_type(value: Any) -> str:

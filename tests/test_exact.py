@@ -211,3 +211,43 @@ def test_sighup_ends_the_run_as_sigterm_does_and_nohup_keeps_it_ignored() -> Non
     assert p.wait(timeout=120) == 0, p.stderr.read()
     finals = [json.loads(line) for line in (first + rest).splitlines() if b'"done"' in line]
     assert len(finals) == 2 and all(e["finish_reason"] != "interrupted" for e in finals)
+
+
+@pytest.mark.parametrize("rows_cols", [(0, 0), (0, 100), (30, 0)])
+def test_a_terminal_of_no_size_still_gets_the_progress_line(tmp_path: Path, rows_cols: tuple[int, int]) -> None:
+    # `script`, `docker exec -t` before a resize: the pty reports 0 rows and 0 columns.
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+
+    data = tmp_path / "in.txt"
+    data.write_text("a\nb\nc\n")
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", *rows_cols, 0, 0))
+    env = cli_env()
+    env.pop("COLUMNS", None), env.pop("LINES", None)
+    p = subprocess.Popen([*FAKECLI, str(data)], stdout=subprocess.PIPE, stderr=slave, env=env, cwd=REPO)
+    out, _ = p.communicate(timeout=120)
+    shown = b""
+    while select.select([master], [], [], 0.2)[0]:
+        shown += os.read(master, 1 << 16)
+    os.close(slave), os.close(master)
+    assert p.returncode == 0 and out.count(b"\n") == 3
+    assert b"/3 [" in shown and b"records/s" in shown  # the bar was drawn
+
+
+def test_utf16_input_is_named_as_such(tmp_path: Path) -> None:
+    text = "Say hi.\nName a colour, é.\n"
+    for encoding in ("utf-16", "utf-16-le", "utf-16-be"):  # with its byte order mark, and without
+        data = tmp_path / f"{encoding}.txt"
+        data.write_bytes(text.encode(encoding))
+        for fmt in (["--in", "lines"], ["--in", "jsonl"]):
+            r = _fake([*fmt, "--out", "jsonl", str(data)])
+            assert r.returncode == 1 and b"Traceback" not in r.stderr
+            errors = [e["error"] for e in _events(r.stdout)]
+            assert errors and all(e.startswith("the input is UTF-16, not UTF-8") for e in errors), errors
+    r = _fake(["--out", "jsonl"], input=b"ab\0cd\n")  # UTF-8 with a NUL byte: still said so
+    assert "NUL byte at byte 2" in _events(r.stdout)[0]["error"]

@@ -16,7 +16,7 @@ import os
 import re
 import sys
 import time
-from typing import IO
+from typing import IO, Any
 
 from ..events import Chunk, Done, Event
 from ..reader import split_records
@@ -84,11 +84,15 @@ class Progress:
         from tqdm import tqdm  # imported only when a terminal will show it
 
         try:
-            width = os.get_terminal_size(stream.fileno()).columns
+            width, height = os.get_terminal_size(stream.fileno())
         except (OSError, ValueError):
-            width = 0
-        # A terminal that reports no width (a fresh pty) would get an empty bar: assume 80 columns.
-        size = {"dynamic_ncols": True} if width else {"ncols": 80}
+            width = height = 0
+        # A terminal that reports no size (a fresh pty, `script`, `docker exec -t` before a resize) would get
+        # an empty bar, or none (tqdm draws nothing with no rows, and re-reads them when following resizes):
+        # what is missing is assumed, 80 columns and 24 rows, and resizes are then not followed.
+        size: dict[str, Any] = (
+            {"dynamic_ncols": True} if width and height else {"ncols": width or 80, "nrows": height or 24}
+        )
         self.bar = tqdm(total=total, desc="mlxpipe", unit=" records", file=stream, leave=False, **size)
         self.stream = stream
         self.started = self.drawn = time.perf_counter()
