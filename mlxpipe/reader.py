@@ -329,7 +329,11 @@ class RecordReader:
         if _utf16(raw) or (self._utf16_input == name and b"\0" in raw):  # (its last newline's NUL half)
             self._utf16_input = name
             return BadRecord(
-                index, name, line, index, "the input is UTF-16, not UTF-8 (convert it: iconv -f UTF-16 -t UTF-8)"
+                index,
+                name,
+                line,
+                index,
+                "the input is UTF-16, not UTF-8 (convert it: iconv -f UTF-16 -t UTF-8)",
             )
         if (nul := raw.find(b"\0")) >= 0:
             return BadRecord(

@@ -4,6 +4,7 @@ an answer cut inside a multi-byte character never ends in U+FFFD, and the smalle
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import subprocess
@@ -30,8 +31,9 @@ def _events(stdout: bytes) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # 3. Record ids never collide
 
-# Records 4 and 7 have no id, so their number is their id: 4 is record 1's explicit id, and record 6's "x"
-# repeats record 5's; record 8 takes the number of record 2, which has none. The later of each pair is refused.
+# Records 4 and 7 have no id, so their number is their id: 4 is record 1's explicit id, and record 6's
+# "x" repeats record 5's; record 8 takes the number of record 2, which has none. The later of each pair
+# is refused.
 COLLIDING = [
     {"id": 4, "prompt": "a"},
     {"prompt": "b"},
@@ -164,7 +166,7 @@ def test_an_answer_cut_inside_a_character_ends_at_the_last_whole_one(tmp_path: P
         assert done[-1]["text"].startswith(d["text"])  # a cut drops the unfinished character, nothing else
     # Some cut fell inside a character: one more token added no text.
     texts = [d["text"] for d in done]
-    assert any(a == b for a, b in zip(texts, texts[1:], strict=False))
+    assert any(a == b for a, b in itertools.pairwise(texts))
     assert any(ord(c) > 0xFFFF for c in texts[-1])  # an emoji was answered whole (4 bytes, several tokens)
 
 
@@ -214,7 +216,9 @@ def test_sighup_ends_the_run_as_sigterm_does_and_nohup_keeps_it_ignored() -> Non
 
 
 @pytest.mark.parametrize("rows_cols", [(0, 0), (0, 100), (30, 0)])
-def test_a_terminal_of_no_size_still_gets_the_progress_line(tmp_path: Path, rows_cols: tuple[int, int]) -> None:
+def test_a_terminal_of_no_size_still_gets_the_progress_line(
+    tmp_path: Path, rows_cols: tuple[int, int]
+) -> None:
     # `script`, `docker exec -t` before a resize: the pty reports 0 rows and 0 columns.
     import fcntl
     import os
@@ -251,3 +255,36 @@ def test_utf16_input_is_named_as_such(tmp_path: Path) -> None:
             assert errors and all(e.startswith("the input is UTF-16, not UTF-8") for e in errors), errors
     r = _fake(["--out", "jsonl"], input=b"ab\0cd\n")  # UTF-8 with a NUL byte: still said so
     assert "NUL byte at byte 2" in _events(r.stdout)[0]["error"]
+
+
+def test_stats_says_what_each_rate_divides() -> None:
+    r = _fake(["--stats"], input=b"one two three\n")
+    assert r.returncode == 0
+    line = r.stderr.decode()
+    # The fake engine decodes at 100 tok/s a record; the wall-time rate is another number.
+    assert line.startswith("mlxpipe: 1 record, 0 failed,")
+    assert "tok/s generated over the wall time, 100.0 tok/s a record decodes," in line
+
+
+def test_interrupt_messages_count_the_lines_written(tmp_path: Path) -> None:
+    import os
+    import time
+
+    data = tmp_path / "in.txt"
+    data.write_text("".join(f"p {i}\n" for i in range(1, 101)))
+    p = subprocess.Popen(
+        [*FAKECLI, "--one-line", str(data)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(FAKE_DELAY="0.05"),
+        cwd=REPO,
+    )
+    assert p.stdout
+    first = p.stdout.readline()
+    time.sleep(0.1)
+    os.kill(p.pid, signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGTERM
+    written = (first + out).count(b"\n")
+    noun = "record" if written == 1 else "records"
+    assert err.decode().startswith(f"mlxpipe: interrupted by SIGTERM after {written} of 100 {noun}")

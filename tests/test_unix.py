@@ -393,7 +393,9 @@ def test_a_shell_loop_stops_at_the_first_ctrl_c(tmp_path: Path) -> None:
         screen = read_until(tty, until_eof, screen)
         assert p.wait(timeout=60) == -signal.SIGINT  # bash itself ended by SIGINT, as it should
     assert not (tmp_path / "ran").exists() and not (tmp_path / "out.2").exists()
-    assert b"mlxpipe: interrupted after 0 of 1 records\r\n" in screen and b"Traceback" not in screen
+    assert (
+        b"mlxpipe: interrupted after 1 of 1 record (1 cut short)\r\n" in screen and b"Traceback" not in screen
+    )
 
 
 @pytest.fixture(scope="module")
@@ -445,4 +447,4 @@ def test_sigterm_ends_the_record_with_a_done_line_and_the_process_by_sigterm() -
     lines = [json.loads(line) for line in (first + rest).splitlines()]
     assert lines[-1]["event"] == "done" and lines[-1]["finish_reason"] == "interrupted"
     assert sum(e["event"] == "done" for e in lines) == 1  # the second record was never started
-    assert p.stderr.read() == b"mlxpipe: interrupted by SIGTERM after 0 records\n"
+    assert p.stderr.read() == b"mlxpipe: interrupted by SIGTERM after 1 record (1 cut short)\n"

@@ -31,7 +31,7 @@ from .options import build_parser
 from .render import Renderer, Stats
 from .signals import Interrupts, reraise_at_exit
 from .streams import OutputError, hold_standard_fds, raw_stdout, write_all
-from .term import Console
+from .term import Console, count_records
 
 if TYPE_CHECKING:
     from ..constrain import Constraint
@@ -439,15 +439,27 @@ def _status(job: _Job) -> int:
     console.close()  # the progress line erased
     if interrupts.signum and job.ranks.size == 1:
         # Under mlx.launch the launcher, not a shell, reads the status (and rank 0 says nothing more).
-        done = job.stats.records - job.cut
-        of = f" of {total}" if total is not None else ""
-        how = "" if interrupts.signum == signal.SIGINT else f" by {signal.Signals(interrupts.signum).name}"
-        console.say(f"mlxpipe: interrupted{how} after {done}{of} records")
+        console.say(_interrupted(job, total))
         reraise_at_exit(interrupts.signum)
     signum = interrupts.signum or job.ranks.stop_signal
     if signum:
         return 128 + signum
     return EXIT_FAILED if job.stats.failed else EXIT_OK
+
+
+def _interrupted(job: _Job, total: int | None) -> str:
+    """What an interrupted run says: the final lines it wrote (those cut short among them), of how many."""
+    args, signum = job.args, job.interrupts.signum
+    assert signum is not None
+    written, cut = job.stats.records, job.cut
+    if args.resume is not None:  # interrupted records are not written to FILE: the next run does them
+        written, cut = written - cut, 0
+    elif total is None and not args.interactive:  # regular files can be counted again
+        total = count_records(args.files, args.null, args.max_line_bytes)
+    how = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
+    of = f" of {total}" if total is not None and args.resume is None else ""
+    noun = "record" if (total if of else written) == 1 else "records"
+    return f"mlxpipe: interrupted{how} after {written}{of} {noun}" + (f" ({cut} cut short)" if cut else "")
 
 
 def total_records(args: argparse.Namespace, console: Console | None) -> int | None:

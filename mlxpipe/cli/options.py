@@ -354,7 +354,15 @@ OPTIONS: tuple[Option, ...] = (
         "Stop at the first record that fails (exit status 1), after its error line.",
         action="store_true",
     ),
-    Option(("--stats",), "output", "Print a summary line on stderr at the end.", action="store_true"),
+    Option(
+        ("--stats",),
+        "output",
+        "Print a summary line on stderr at the end.",
+        action="store_true",
+        man="It gives two rates: the generated tokens over the wall time since the model was loaded "
+        "(prompts included; what a job's throughput is), and the rate a record decodes at (its tokens "
+        "after the first over their time, as a done event's tps), over all records.",
+    ),
     Option(
         ("-q", "--quiet"),
         "output",

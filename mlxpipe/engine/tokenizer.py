@@ -410,7 +410,7 @@ def finalize_whole(detokenizer: Any) -> None:
             detokenizer._unflushed = unflushed[:-cut]
     elif isinstance(unflushed, str) and unflushed:  # byte-level BPE: one stand-in character a byte
         stand_in = _byte_decoder()
-        data = bytes(stand_in[c] if c in stand_in else 0x20 for c in unflushed[-4:])
+        data = bytes(stand_in.get(c, 0x20) for c in unflushed[-4:])  # (an added token's text: whole)
         if cut := _unfinished(data):
             detokenizer._unflushed = unflushed[:-cut]
     elif getattr(detokenizer, "_current_tokens", None):  # naive: whole tokens, decoded by the tokenizer
