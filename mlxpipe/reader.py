@@ -133,8 +133,10 @@ def settings_from_object(obj: Mapping[str, Any], base: Settings) -> Settings:
     for name, (low, high) in _INT_FIELDS.items():
         if name in obj:
             value = obj[name]
+            if isinstance(value, float) and value.is_integer():  # 4.0 is the integer 4 in JSON's eyes
+                value = int(value)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-                raise ValueError(f"{name!r} must be an integer in [{low}, {high}], got {_shown(value)}")
+                raise ValueError(f"{name!r} must be an integer in [{low}, {high}], got {_shown(obj[name])}")
             changes[name] = value
     for name, (lo, hi) in _FLOAT_FIELDS.items():
         if name in obj:

@@ -288,3 +288,29 @@ def test_interrupt_messages_count_the_lines_written(tmp_path: Path) -> None:
     written = (first + out).count(b"\n")
     noun = "record" if written == 1 else "records"
     assert err.decode().startswith(f"mlxpipe: interrupted by SIGTERM after {written} of 100 {noun}")
+
+
+@pytest.mark.model
+def test_an_integral_json_number_is_an_integer_setting() -> None:
+    lines = b'{"prompt": "Say hi.", "max_tokens": 2.0}\n{"prompt": "Say hi.", "max_tokens": 2.5}\n'
+    r = run_cli(["--jsonl", "--no-stream"], input=lines)
+    first, second = _events(r.stdout)
+    assert first["event"] == "done" and first["tokens"] == 2
+    assert second["error"] == "'max_tokens' must be an integer in [1, 1048576], got 2.5"
+
+
+def test_slurp_of_an_empty_input_is_one_records_line(tmp_path: Path) -> None:
+    empty, blank, full = tmp_path / "empty", tmp_path / "blank", tmp_path / "full"
+    empty.write_bytes(b"")
+    blank.write_bytes(b"\n \r\n")
+    full.write_bytes(b"a document\n")
+    r = _fake(["--slurp", "-p", "Summarise:"], input=b"")
+    assert r.returncode == 1 and r.stdout == b"\n"
+    assert r.stderr == b"mlxpipe: error (at <stdin>:1): the input is empty: no document to read\n"
+    r = _fake(["--slurp", "--jsonl", "--no-stream", str(empty), str(full), str(blank)])
+    assert r.returncode == 1
+    assert [(e["event"], e.get("file")) for e in _events(r.stdout)] == [
+        ("error", str(empty)),
+        ("done", None),
+        ("error", str(blank)),
+    ]
