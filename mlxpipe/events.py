@@ -10,7 +10,7 @@ ignore what they do not know.
 
 ``done``   a record's final result (exactly one per successful record)::
 
-    {"event": "done", "id": ..., "text": str, "finish_reason": "stop" | "length" | "interrupted",
+    {"event": "done", "id": ..., "text": str, "finish_reason": "stop" | "length" | "context" | "interrupted",
      "tokens": int, "tps": float, "prompt_tokens": int, "prompt_tps": float,
      "peak_memory": int (bytes), "input": <the original record>,
      "json": <the parsed answer>,            # only with a JSON schema (--json-schema, "json_schema")
@@ -35,8 +35,9 @@ are written as the escapes ``\\udc80`` to ``\\udcff`` (Python's "surrogateescape
 ``os.fsencode(json.loads(line)["file"])`` gives back its bytes. An input FILE that cannot be read (an
 I/O error, removed before its turn) is one ``error`` line with ``error`` "cannot read FILE: REASON" at the
 line where reading stopped, and the run goes on.
-``finish_reason`` is "stop" on EOS or a stop string, "length" at max tokens, "interrupted" when SIGINT or
-SIGTERM ended the record early.
+``finish_reason`` is "stop" on EOS or a stop string, "length" at max tokens, "context" when the model's
+context was full first (the prompt left fewer tokens of it than max tokens: generation never runs past it),
+"interrupted" when SIGINT, SIGTERM or SIGHUP ended the record early.
 
 Structured output (``--json-schema``, ``--choices``, ``--regex``, ``--grammar``, or a record's own
 ``json_schema`` / ``choices``): a ``done`` event always holds a complete answer of the constraint. With a

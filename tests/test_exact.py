@@ -314,3 +314,22 @@ def test_slurp_of_an_empty_input_is_one_records_line(tmp_path: Path) -> None:
         ("done", None),
         ("error", str(blank)),
     ]
+
+
+@pytest.mark.parametrize("batch", ["1", "4"])
+def test_an_answer_never_runs_past_the_models_context(tmp_path: Path, batch: str) -> None:
+    # A random model of 512 tokens' context (its tokenizer: "a " is two tokens). The record whose prompt
+    # leaves fewer than max_tokens ends when the context is full, and its done event says so.
+    pytest.importorskip("gguf")
+    from gguf_factory import tiny_bpe, write_gguf
+
+    model = write_gguf(tmp_path / "tiny.gguf", "llama", tiny_bpe())
+    lines = "".join(json.dumps({"prompt": "a " * n, "max_tokens": 30}) + "\n" for n in (240, 250, 10))
+    r = run_cli(["-m", str(model), "--raw", "--jsonl", "--no-stream", "--batch", batch], input=lines)
+    assert r.returncode == 0, r.stderr
+    done = _events(r.stdout)
+    assert [(d["finish_reason"], d["prompt_tokens"] + d["tokens"]) for d in done] == [
+        ("length", 480 + 30),
+        ("context", 512),  # 500 + 12: the whole context, not a token past it
+        ("length", 20 + 30),
+    ]

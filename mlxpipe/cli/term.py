@@ -157,11 +157,12 @@ class Console:
     def mark_cut(self, event: Event, inline: bool) -> None:
         """After an answer that ``--max-tokens`` cut short, a mark on stderr, when stdout and stderr are the
         same terminal and the answer's text streamed there (``inline``): stdout itself is unchanged."""
-        if not (inline and isinstance(event, Done) and event.finish_reason == "length"):
+        if not (inline and isinstance(event, Done) and event.finish_reason in ("length", "context")):
             return
         if self.stream is None or not (_isatty(self.stream) and os.isatty(1)):
             return
-        mark = f" [cut at {event.tokens} tokens: --max-tokens]"
+        why = "--max-tokens" if event.finish_reason == "length" else "the model's context is full"
+        mark = f" [cut at {event.tokens} tokens: {why}]"
         try:
             if self._raw is not None:
                 write_all(self._raw, (f"{DIM}{mark}{RESET}" if self.colour else mark).encode())

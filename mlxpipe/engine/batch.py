@@ -370,6 +370,7 @@ class _Slot:
     prompt_tps: float = 0.0
     tokens: int = 0
     text: list[str] = field(default_factory=list)
+    context_bound: bool = False  # the model's context, not max_tokens, limits the answer
 
 
 class Batch:
@@ -427,9 +428,10 @@ class Batch:
             return
         inserted = time.perf_counter()
         cached, cache = self.engine.prefix_for(record, tokens)
+        budget, bound = self.engine.budget(record, tokens)
         (uid,) = self._gen.insert(
             [tokens[cached:]],
-            max_tokens=[s.max_tokens],
+            max_tokens=[budget],
             caches=[cache] if cache is not None else None,
             all_tokens=[tokens[:cached]],  # logits processors see the whole prompt, as in sequential mode
             samplers=[self.engine.sampler_for(record)],
@@ -437,6 +439,7 @@ class Batch:
         )
         detokenizer = self.engine.tokenizer.detokenizer  # a fresh copy per record
         self._slots[uid] = _Slot(record, detokenizer, StopStrings(s.stop), len(tokens), inserted)
+        self._slots[uid].context_bound = bound
 
     def step(self) -> list[Chunk | Done | Error]:
         """Generate one token for every record in flight; return the resulting events.
@@ -505,6 +508,8 @@ class Batch:
             events.append(Chunk(rec.index, rec.id, segment, slot.tokens, tps))
         if finish is not None:
             del self._slots[uid]
+            if finish == "length" and slot.context_bound:
+                finish = "context"
             try:
                 extra = self.engine.finish_fields(rec, "".join(slot.text), finish)
             except RecordError as exc:
