@@ -13,7 +13,7 @@ import signal
 def entry() -> None:
     """Run the command line and end the process the Unix way (see the module docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (SIGHUP's default ends it too; nohup's SIG_IGN stays)
     from .cli.main import main
     from .cli.signals import exit_process
 

@@ -264,7 +264,7 @@ class Grammars:
             return f"{constraint.kind.replace('_', ' ')} admits no answer: {_reason(m.get_error())}"
         if not m.consume_tokens(self.tokenizer.tokenize_str(text)) or m.is_error():
             return "answer does not match the constraint"
-        whole = m.is_accepting() and (finish_reason != "length" or m.is_stopped())
+        whole = m.is_accepting() and (finish_reason not in ("length", "context") or m.is_stopped())
         if whole:
             return None
         return INCOMPLETE.get(finish_reason, "answer incomplete")
@@ -272,6 +272,7 @@ class Grammars:
 
 INCOMPLETE = {
     "length": "answer incomplete: max tokens reached",
+    "context": "answer incomplete: the model's context is full",
     "interrupted": "answer incomplete: interrupted",
     "stop": "answer incomplete: ended by a stop string or the end of the answer",
 }

@@ -10,7 +10,7 @@ ignore what they do not know.
 
 ``done``   a record's final result (exactly one per successful record)::
 
-    {"event": "done", "id": ..., "text": str, "finish_reason": "stop" | "length" | "interrupted",
+    {"event": "done", "id": ..., "text": str, "finish_reason": "stop" | "length" | "context" | "interrupted",
      "tokens": int, "tps": float, "prompt_tokens": int, "prompt_tps": float,
      "peak_memory": int (bytes), "input": <the original record>,
      "json": <the parsed answer>,            # only with a JSON schema (--json-schema, "json_schema")
@@ -20,7 +20,9 @@ ignore what they do not know.
 
     {"event": "error", "id": ..., "file": str, "line": int, "error": str}
 
-``id`` is the record's own ``id`` field when it has one, else its 1-based record number.
+``id`` is the record's own ``id`` field when it has one, else its 1-based record number. In JSONL output
+no two records share one: a record whose id an earlier record has (``{"id": 4}`` and the fourth record
+without an ``id``) is an ``error`` line saying so (:func:`mlxpipe.reader.unique_ids`).
 ``tokens`` counts generated tokens so far (the EOS token included, as mlx-lm counts them);
 ``tps`` is generation tokens per second: the tokens after the first over the time since the first came
 (:func:`decode_tps`), so 0.0 until a second token has come (one token alone has no rate), the same one at a
@@ -33,8 +35,9 @@ are written as the escapes ``\\udc80`` to ``\\udcff`` (Python's "surrogateescape
 ``os.fsencode(json.loads(line)["file"])`` gives back its bytes. An input FILE that cannot be read (an
 I/O error, removed before its turn) is one ``error`` line with ``error`` "cannot read FILE: REASON" at the
 line where reading stopped, and the run goes on.
-``finish_reason`` is "stop" on EOS or a stop string, "length" at max tokens, "interrupted" when SIGINT or
-SIGTERM ended the record early.
+``finish_reason`` is "stop" on EOS or a stop string, "length" at max tokens, "context" when the model's
+context was full first (the prompt left fewer tokens of it than max tokens: generation never runs past it),
+"interrupted" when SIGINT, SIGTERM or SIGHUP ended the record early.
 
 Structured output (``--json-schema``, ``--choices``, ``--regex``, ``--grammar``, or a record's own
 ``json_schema`` / ``choices``): a ``done`` event always holds a complete answer of the constraint. With a

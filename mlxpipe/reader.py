@@ -9,7 +9,8 @@ What is accepted, and what is not (each refused record becomes one error line; t
 - Records end at ``\n`` (``\0`` with ``-z``); a last record without a separator counts. One ``\r``
   before the separator is dropped (CRLF files), and so is a UTF-8 byte order mark at the start of each
   input file (in JSONL mode, as jsonlines reads it, at the start of any line). Records whose bytes are
-  all whitespace are skipped but counted for line numbers.
+  all whitespace are skipped but counted for line numbers; the next record carries how many came right
+  before it (``blanks``), so text output with ``--one-line`` or ``-z`` gives each its empty line.
 - Lines mode: the line is the prompt verbatim (surrounding whitespace kept). It must be UTF-8 and hold
   no NUL byte (use ``-z`` for NUL-separated records).
 - JSONL mode: one JSON value per line, surrounding whitespace ignored. It must be UTF-8 without NUL
@@ -132,8 +133,10 @@ def settings_from_object(obj: Mapping[str, Any], base: Settings) -> Settings:
     for name, (low, high) in _INT_FIELDS.items():
         if name in obj:
             value = obj[name]
+            if isinstance(value, float) and value.is_integer():  # 4.0 is the integer 4 in JSON's eyes
+                value = int(value)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-                raise ValueError(f"{name!r} must be an integer in [{low}, {high}], got {_shown(value)}")
+                raise ValueError(f"{name!r} must be an integer in [{low}, {high}], got {_shown(obj[name])}")
             changes[name] = value
     for name, (lo, hi) in _FLOAT_FIELDS.items():
         if name in obj:
@@ -268,12 +271,23 @@ class RecordReader:
         self.fmt = fmt
         self.settings = settings
         self.count = 0
+        # Blank records read since the last record: not records, but line N of text output answers line N,
+        # so each is carried by the next record (:attr:`Record.blanks`); those left at the end are trailing.
+        self.blanks = 0
+        self._utf16_input: str | None = None  # the input found to be UTF-16
 
     def read(self, name: str, stream: IO[bytes]) -> Iterator[Record | BadRecord]:
         """Yield one :class:`Record` or :class:`BadRecord` per non-blank record of ``stream``.
 
         A read that fails ends ``stream`` with one :class:`BadRecord` saying why (:meth:`unreadable`).
         """
+        for record in self._read(name, stream):
+            if self.blanks:
+                record = replace(record, blanks=self.blanks)
+                self.blanks = 0
+            yield record
+
+    def _read(self, name: str, stream: IO[bytes]) -> Iterator[Record | BadRecord]:
         sep = b"\0" if self.fmt.null else b"\n"
         lines = split_records(stream, sep, self.fmt.max_line_bytes)
         line = 0
@@ -290,7 +304,8 @@ class RecordReader:
                 if line == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
                     raw = raw[3:]
                 if not raw.strip():
-                    continue  # blank lines are skipped, but still counted
+                    self.blanks += 1  # skipped, but still counted
+                    continue
             self.count += 1
             if raw is None:
                 yield BadRecord(
@@ -307,11 +322,21 @@ class RecordReader:
         """The error line of input ``name`` that could not be opened or read on from ``line`` on."""
         self.count += 1
         reason = exc.strerror or type(exc).__name__
-        return BadRecord(self.count, name, line, self.count, f"cannot read {name}: {reason}")
+        blanks, self.blanks = self.blanks, 0  # an earlier input's trailing blank lines come before it
+        return BadRecord(self.count, name, line, self.count, f"cannot read {name}: {reason}", blanks)
 
     def parse(self, name: str, line: int, raw: bytes) -> Record | BadRecord:
         """Turn one record's bytes (separator stripped) into a record numbered ``self.count``."""
         index = self.count
+        if _utf16(raw) or (self._utf16_input == name and b"\0" in raw):  # (its last newline's NUL half)
+            self._utf16_input = name
+            return BadRecord(
+                index,
+                name,
+                line,
+                index,
+                "the input is UTF-16, not UTF-8 (convert it: iconv -f UTF-16 -t UTF-8)",
+            )
         if (nul := raw.find(b"\0")) >= 0:
             return BadRecord(
                 index, name, line, index, f"NUL byte at byte {nul} (NUL-separated input needs -z)"
@@ -381,6 +406,16 @@ class RecordReader:
             return BadRecord(index, name, line, rid, str(exc))
 
 
+def _utf16(raw: bytes) -> bool:
+    """Whether a record's bytes look like UTF-16: its byte order mark, or a NUL byte in every other place
+    (ASCII text in UTF-16; a line of it after the first begins with the NUL half of the newline)."""
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return True
+    if len(raw) < 4 or b"\0" not in raw:
+        return False
+    return any(half.count(0) * 4 >= len(half) * 3 for half in (raw[0::2], raw[1::2]))
+
+
 def _json_type(value: Any) -> str:
     """The JSON name of a parsed value's type, for error messages."""
     if value is None:
@@ -403,3 +438,36 @@ def records_from_objects(
     for number, item in enumerate(items, 1):
         reader.count = number
         yield reader.parse("<api>", number, json.dumps(item, ensure_ascii=False).encode())
+
+
+def unique_ids(records: Iterable[Record | BadRecord]) -> Iterator[Record | BadRecord]:
+    """``records``, each whose id an earlier record already has turned into a :class:`BadRecord` saying so.
+
+    A record without ``id`` is known by its number, so ``{"id": 4}`` and the fourth record without one
+    would share an id, and ``--resume`` would skip whichever came second. The later of the two is refused
+    (its error line carries the id; ``--resume`` never skips an error), on every rank alike. Memory grows
+    only with the records whose id is not their number.
+    """
+    moved: set[int] = set()  # numbers of records whose id is not their number
+    where: dict[Any, tuple[str, int]] = {}  # those ids, and where their record was
+    for record in records:
+        rid = record.id
+        own = type(rid) is int and rid == record.index
+        earlier = None
+        if rid in where:
+            earlier = "the record at {}:{}".format(*where[rid])
+        elif type(rid) is int and 1 <= rid < record.index and rid not in moved:
+            earlier = f"record {rid}, which has no 'id' and is known by its number"
+        if earlier is not None:
+            yield BadRecord(
+                record.index,
+                record.file,
+                record.line,
+                rid,
+                f"id {_shown(rid)} is already the id of {earlier}; ids must be unique",
+            )
+        else:
+            yield record
+        if not own:
+            moved.add(record.index)
+            where.setdefault(rid, (record.file, record.line))

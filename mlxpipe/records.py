@@ -52,6 +52,7 @@ class Record:
     prompt: str | None = None
     messages: tuple[Mapping[str, str], ...] | None = None
     lead: str = ""  # start of ``prompt`` shared by all records: a template's text before its first field
+    blanks: int = 0  # blank records (skipped) right before this one: text output keeps their empty lines
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class BadRecord:
     line: int
     id: Any
     error: str
+    blanks: int = 0  # as Record's
 
 
 # ---------------------------------------------------------------------------------------------

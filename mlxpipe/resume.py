@@ -17,7 +17,8 @@ read its own output). A line that cannot be written whole (a full disk, a file s
 off, so FILE still ends in a whole line. The file is locked while in use (where the platform has
 ``fcntl``), so two runs cannot interleave.
 Records without an ``id`` field are known by their record number, so the input must not change
-between runs; with ``id`` fields, the ids must be unique.
+between runs. A record whose id an earlier record already has is an error line
+(:func:`mlxpipe.reader.unique_ids`), which is never skipped, so no record is taken as done for another's.
 """
 
 from __future__ import annotations

@@ -888,3 +888,21 @@ def test_ranks_keep_mlx_launch_from_spinning_on_their_cores() -> None:
         assert report["done"][1].endswith("at nice 19")
         assert report["nices"] == [19]
         assert report["writable"] is False
+
+
+def test_under_mlx_launch_resume_never_skips_a_record_for_another_records_id(tmp_path: Path) -> None:
+    # Record 3 has no id, so its number is its id: record 1's explicit 3. Every rank refuses it alike, and
+    # --resume (rank 0's done ids, shared) never takes it as done.
+    lines = [{"id": 3, "prompt": PROMPTS[0]}, {"prompt": PROMPTS[1]}, {"prompt": PROMPTS[2]}]
+    lines += [{"id": f"q{i}", "prompt": p} for i, p in enumerate(PROMPTS[3:], 4)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    for _ in (1, 2):
+        more, err = _finish(_launch(["--jsonl", *SHORT, "--resume", str(out), str(tmp_path / "in.jsonl")]))
+        assert more == b"" and "Traceback" not in err
+        assert "Node with rank 0 exited with code 1" in err
+        assert "id 3 is already the id of the record at" in err
+    events = [json.loads(line) for line in out.read_text().splitlines()]
+    done = [e["input"]["prompt"] for e in events if e["event"] == "done"]
+    assert done == [line["prompt"] for i, line in enumerate(lines, 1) if i != 3]  # each once, in order
+    assert [(e["event"], e["line"]) for e in events if e["event"] == "error"] == [("error", 3), ("error", 3)]

@@ -99,7 +99,7 @@ JSONL_CASES: list[tuple[bytes, str]] = [
     (b'{"prompt": "Hi", "max_tokens": 2.5}', "'max_tokens' must be an integer"),
     (b'{"prompt": "Hi", "max_tokens": true}', "'max_tokens' must be an integer"),
     (b'{"prompt": "Hi", "temperature": "hot"}', "'temperature' must be a number"),
-    (b'{"prompt": "Hi", "seed": 1.0}', "'seed' must be an integer"),
+    (b'{"prompt": "Hi", "seed": 1.0}', GOOD),  # an integral JSON number is the integer 1 (issue 39)
     (b'{"prompt": "Hi", "stop": 5}', "'stop' must be a non-empty string or a list"),
     (b'{"prompt": "Hi", "stop": ""}', "'stop' must be a non-empty string or a list"),
     (b'{"prompt": "Hi", "stop": ["a", 1]}', "'stop' must be a non-empty string or a list"),

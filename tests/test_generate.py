@@ -160,3 +160,45 @@ def _theirs(engine: Any) -> Any:
     from mlx_lm.tokenizer_utils import load
 
     return load(Path(engine.folder), eos_token_ids=sorted(engine.tokenizer.eos_token_ids))
+
+
+def test_a_conversation_computes_only_each_turns_new_tokens(engine: Any, monkeypatch: Any) -> None:
+    # --chat: each turn's shared head is the whole conversation so far. It begins with the last turn's head,
+    # whose KV cache is reused: only the last question, its answer and the template's marks are computed.
+    from mlxpipe.cli.interactive import Conversation
+    from mlxpipe.engine import prefix
+    from mlxpipe.pipeline import run
+    from mlxpipe.reader import records_from_objects
+    from mlxpipe.records import Settings
+
+    computed: list[tuple[int, int]] = []
+    real = prefix.prefill
+
+    def counting(model: Any, cache: Any, tokens: Any, *, step: int, start: int = 0) -> None:
+        computed.append((len(tokens), start))
+        real(model, cache, tokens, step=step, start=start)
+
+    monkeypatch.setattr(prefix, "prefill", counting)
+    monkeypatch.setattr(engine.prefixes, "store", None)  # no file kept from another test: computed here
+
+    def converse() -> list[str]:
+        engine.prefixes.clear()
+        conversation = Conversation()
+        turns = ["My name is Bob. Remember it.", "What is my name?", "Say it again."]
+        answers = []
+        for event in run(conversation.turns(records_from_objects(turns, Settings(max_tokens=8))), engine):
+            conversation.saw(event)
+            if event.kind == "done":
+                answers.append(event.text)
+        return answers
+
+    answers = converse()
+    heads = [length for length, _ in computed]
+    assert len(computed) == 3 and heads == sorted(heads) and computed[0][1] == 0
+    for (_, start), (before, _) in zip(computed[1:], computed, strict=False):
+        assert start == before  # computed from the last turn's head on, not from the start
+    # The same answers as with every head computed whole.
+    computed.clear()
+    monkeypatch.setattr(prefix.PrefixCache, "_longest_within", lambda self, key: (0, None))
+    assert converse() == answers
+    assert all(start == 0 for _, start in computed)

@@ -498,7 +498,14 @@ def test_control_characters_in_a_schema_do_not_reach_the_terminal() -> None:
         (["--top-k", "99999999"], "--top-k must be an integer in [0, 1048576], got 99999999"),
         (["-n", "99999999"], "--max-tokens must be an integer in [1, 1048576], got 99999999"),
         (["--stop", ""], "--stop must be a non-empty string or a list of them"),
-        (["--repetition-penalty", "inf"], "--repetition-penalty must be a number in [0, 100], got inf"),
+        (
+            ["--repetition-penalty", "inf"],
+            "--repetition-penalty must be a number above 0 and at most 100 (1 is off), got inf",
+        ),
+        (
+            ["--repetition-penalty", "0"],
+            "--repetition-penalty must be a number above 0 and at most 100 (1 is off), got 0",
+        ),
         (["--template", " "], "the template gives an empty prompt"),
         (["--regex", "[^\\s\\S]"], "--regex: regex admits no answer: nothing can match it"),
         (

@@ -274,9 +274,10 @@ def test_resume_redoes_failed_and_interrupted_records(tmp_path: Path) -> None:
         capture_output=True,
         env=cli_env(),
     )
-    assert r.returncode == 0 and r.stdout == b"" and r.stderr == b""
+    # The last record's id is record 1's (known by its number): refused, never skipped as done (issue 39).
+    assert r.returncode == 1 and r.stdout == b"" and b"id 1 is already the id of record 1" in r.stderr
     new = [json.loads(x) for x in out.read_text().splitlines()[len(earlier) :]]
-    assert [(e["event"], e["id"]) for e in new] == [("done", 2), ("done", 3), ("done", 4)]
+    assert [(e["event"], e["id"]) for e in new] == [("done", 2), ("done", 3), ("done", 4), ("error", 1)]
 
 
 def test_sigterm_mid_run_ends_by_sigterm_and_resume_finishes(tmp_path: Path) -> None:

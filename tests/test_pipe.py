@@ -159,7 +159,7 @@ def test_sigint_ends_the_record_with_a_done_line_and_the_process_by_sigint() -> 
     lines = events(first + rest)
     assert lines[-1]["event"] == "done" and lines[-1]["finish_reason"] == "interrupted"
     assert sum(e["event"] == "done" for e in lines) == 1  # the second record was never started
-    assert p.stderr.read() == b"mlxpipe: interrupted after 0 records\n"  # type: ignore[union-attr]
+    assert p.stderr.read() == b"mlxpipe: interrupted after 1 record (1 cut short)\n"  # type: ignore[union-attr]
 
 
 def test_null_template_one_line_and_stats() -> None:

@@ -56,6 +56,26 @@ def _streamed(tokenizer: Any, ids: list[int]) -> list[str]:
     return [*pieces, detokenizer.last_segment]
 
 
+def _whole_at_every_cut(tokenizer: Any) -> None:
+    """An answer cut after any token ends at its last whole character: no U+FFFD, a prefix of the whole."""
+    from mlxpipe.engine.tokenizer import finalize_whole
+
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        whole = _streamed(tokenizer, ids)
+        full = "".join(whole)
+        for cut in range(1, len(ids) + 1):
+            detokenizer = tokenizer.detokenizer
+            pieces = []
+            for token in ids[:cut]:
+                detokenizer.add_token(token)
+                pieces.append(detokenizer.last_segment)
+            finalize_whole(detokenizer)
+            answer = "".join([*pieces, detokenizer.last_segment])
+            assert "\ufffd" not in answer, (text, cut, answer)
+            assert full.startswith(answer), (text, cut, answer)
+
+
 def _agree(ours: Any, theirs: Any) -> None:
     assert len(ours) == len(theirs)
     assert ours.eos_token_ids == theirs.eos_token_ids
@@ -78,7 +98,10 @@ def _agree(ours: Any, theirs: Any) -> None:
 
 @pytest.mark.model
 def test_the_embedded_models_tokenizer_answers_as_mlx_lms() -> None:
-    _agree(*_both(models.materialize(models.resolve(None))))
+    ours, theirs = _both(models.materialize(models.resolve(None)))
+    _agree(ours, theirs)
+    _whole_at_every_cut(ours)
+    _whole_at_every_cut(theirs)  # mlx-lm's own detokenizer, for the models our tokenizer leaves to it
 
 
 def test_a_sentencepiece_tokenizer_answers_as_mlx_lms(tmp_path: Path) -> None:
@@ -89,6 +112,8 @@ def test_a_sentencepiece_tokenizer_answers_as_mlx_lms(tmp_path: Path) -> None:
     ours, theirs = _both(str(folder))
     assert type(ours._detokenizer).__name__ == "_SentencePiece"
     _agree(ours, theirs)
+    _whole_at_every_cut(ours)
+    _whole_at_every_cut(theirs)
 
 
 @pytest.mark.model

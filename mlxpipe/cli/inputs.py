@@ -75,9 +75,11 @@ def check(args: argparse.Namespace) -> None:
             message = message.replace(repr(field), flag)
         raise UsageError(message) from None
     penalty = args.repetition_penalty
-    if penalty is not None and not 0 <= penalty <= MAX_REPETITION_PENALTY:
+    # mlx-lm divides a repeated token's positive logits by it: 0 would make them infinite (1 is off).
+    if penalty is not None and not 0 < penalty <= MAX_REPETITION_PENALTY:
         raise UsageError(
-            f"--repetition-penalty must be a number in [0, {MAX_REPETITION_PENALTY:g}], got {penalty}"
+            f"--repetition-penalty must be a number above 0 and at most {MAX_REPETITION_PENALTY:g} "
+            f"(1 is off), got {penalty:g}"
         )
 
 
@@ -154,7 +156,7 @@ def ready(files: list[str]) -> bool:
 
 
 def _slurp(name: str, stream: IO[bytes], reader: RecordReader) -> Iterator[Record | BadRecord]:
-    """All of ``stream`` as one record: trailing newlines dropped, nothing for blank input."""
+    """All of ``stream`` as one record: trailing newlines dropped; a blank input is that record's error."""
     limit = reader.fmt.max_line_bytes
     try:
         data = read_whole(stream, limit)
@@ -167,9 +169,11 @@ def _slurp(name: str, stream: IO[bytes], reader: RecordReader) -> Iterator[Recor
         yield BadRecord(reader.count, name, 1, reader.count, error)
         return
     data = data.removeprefix(b"\xef\xbb\xbf").rstrip(b"\r\n")
-    if data.strip():
-        reader.count += 1
-        yield reader.parse(name, 1, data)
+    reader.count += 1
+    if not data.strip():  # still a record (one line of output a document), never silence
+        yield BadRecord(reader.count, name, 1, reader.count, "the input is empty: no document to read")
+        return
+    yield reader.parse(name, 1, data)
 
 
 def template(args: argparse.Namespace) -> Template | None:

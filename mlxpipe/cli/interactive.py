@@ -206,7 +206,7 @@ def session(
                 signum = interrupts.signum
                 empty = editor.empty()
                 console.stream.write("\n")
-                if signum == signal.SIGTERM or (after_ctrl_c and empty):
+                if (signum is not None and signum != signal.SIGINT) or (after_ctrl_c and empty):
                     return 128 + (signum or signal.SIGINT)
                 interrupts.reset()
                 if empty:
@@ -233,8 +233,8 @@ def session(
                 renderer.write(event)
                 if conversation is not None:
                     conversation.saw(event)
-            if interrupts.signum == signal.SIGTERM:
-                return 128 + signal.SIGTERM
+            if interrupts.signum is not None and interrupts.signum != signal.SIGINT:  # SIGTERM, SIGHUP
+                return 128 + interrupts.signum
             if interrupts.signum is not None:  # Ctrl-C ended the answer: back to the prompt
                 interrupts.reset()
                 after_ctrl_c = True

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from .. import launcher
 from ..errors import ModelError, UsageError
 from ..events import Done, Error, Event
-from ..reader import InputFormat, RecordReader
+from ..reader import InputFormat, RecordReader, unique_ids
 from ..records import BadRecord, Record
 from ..resume import ResumeFile
 from . import inputs, interactive
@@ -31,7 +31,7 @@ from .options import build_parser
 from .render import Renderer, Stats
 from .signals import Interrupts, reraise_at_exit
 from .streams import OutputError, hold_standard_fds, raw_stdout, write_all
-from .term import Console, conversion_progress
+from .term import Console, conversion_progress, count_records
 
 if TYPE_CHECKING:
     from ..constrain import Constraint
@@ -239,6 +239,7 @@ class _Job:
         self.stats = Stats()
         self.cut = 0  # records whose done line says "interrupted"
         self.conversation = interactive.Conversation() if args.conversation else None
+        self.blanks: dict[int, int] = {}  # record number -> blank input records right before it
 
 
 def _run(
@@ -255,6 +256,13 @@ def _run(
         # The input has arrived (or ended): an empty one (or one --resume has done) needs no model.
         first = next(records, None)
         if first is None:
+            try:  # blank lines only: each still gets its empty line with --one-line or -z
+                _renderer(args, resume, constraint).blank_lines(reader.blanks)
+            except BrokenPipeError:
+                pass
+            except OutputError as exc:
+                console.say(f"mlxpipe: error: {exc}")
+                return EXIT_OUTPUT
             if args.stats:
                 console.say(job.stats.line(0.0))
             return EXIT_OK
@@ -275,7 +283,7 @@ def _run(
                 args.files, args.null, args.max_line_bytes, args.quiet, total=total_records(args, None)
             )
         started = time.perf_counter()
-        status = _write(job, _events(job, engine, records), renderer, resume)
+        status = _write(job, _events(job, engine, records), renderer, resume, reader)
         if status is not None:
             return status
         if ranks.rank:  # rank 0 carries the job's status, a stop included
@@ -295,11 +303,21 @@ def _records(job: _Job, reader: RecordReader, resume: ResumeFile | None) -> Iter
     records = inputs.records(
         args.files, reader, private_stdin=args.batch > 1, prompts=args.prompt, slurp=args.slurp
     )
+    if args.out_format == "jsonl":  # where ids are written: a record is never mistaken for another
+        records = unique_ids(records)
     if job.conversation is not None:
         records = job.conversation.turns(records)
-    if resume is not None:
-        records = (r for r in records if not resume.is_done(r.id))
-    return records
+    if resume is not None:  # an error line is never skipped: it may be a refused duplicate of a done id
+        records = (r for r in records if isinstance(r, BadRecord) or not resume.is_done(r.id))
+    return _noting_blanks(job, records)
+
+
+def _noting_blanks(job: _Job, records: Iterator[Record | BadRecord]) -> Iterator[Record | BadRecord]:
+    """``records``, each one's blank lines before it noted for :func:`_write` (which may run ahead of it)."""
+    for record in records:
+        if record.blanks:
+            job.blanks[record.index] = record.blanks
+        yield record
 
 
 def _renderer(args: argparse.Namespace, resume: ResumeFile | None, constraint: Constraint | None) -> Renderer:
@@ -357,7 +375,11 @@ def _events(job: _Job, engine: Engine, records: Iterator[Record | BadRecord]) ->
 
 
 def _write(
-    job: _Job, events: Generator[Event, None, None], renderer: Renderer, resume: ResumeFile | None
+    job: _Job,
+    events: Generator[Event, None, None],
+    renderer: Renderer,
+    resume: ResumeFile | None,
+    reader: RecordReader,
 ) -> int | None:
     """Render ``events`` (rank 0 writes; every rank counts); an exit status when the run ends early."""
     from ..distributed import RankLost, RanksDisagree
@@ -366,7 +388,9 @@ def _write(
     try:
         for event in events:
             stats.add(event)
+            blanks = job.blanks.pop(event.index, 0) if job.blanks else 0  # at a record's first event
             if job.ranks.rank == 0:  # under mlx.launch only rank 0 writes; the others count, for the status
+                renderer.blank_lines(blanks)
                 console.track(event)
                 if isinstance(event, Error):
                     console.say(event.message())
@@ -380,6 +404,10 @@ def _write(
             if args.fail_fast and isinstance(event, Error):  # every rank sees every event: all stop here
                 events.close()
                 break
+        else:
+            stopped = job.interrupts.signum or job.ranks.stop_signal
+            if job.ranks.rank == 0 and not stopped:  # the input's trailing blank lines
+                renderer.blank_lines(reader.blanks)
     except BrokenPipeError:
         # The reader went away (`| head`): stop generating, say nothing, succeed.
         events.close()
@@ -412,15 +440,27 @@ def _status(job: _Job) -> int:
     console.close()  # the progress line erased
     if interrupts.signum and job.ranks.size == 1:
         # Under mlx.launch the launcher, not a shell, reads the status (and rank 0 says nothing more).
-        done = job.stats.records - job.cut
-        of = f" of {total}" if total is not None else ""
-        how = "" if interrupts.signum == signal.SIGINT else f" by {signal.Signals(interrupts.signum).name}"
-        console.say(f"mlxpipe: interrupted{how} after {done}{of} records")
+        console.say(_interrupted(job, total))
         reraise_at_exit(interrupts.signum)
     signum = interrupts.signum or job.ranks.stop_signal
     if signum:
         return 128 + signum
     return EXIT_FAILED if job.stats.failed else EXIT_OK
+
+
+def _interrupted(job: _Job, total: int | None) -> str:
+    """What an interrupted run says: the final lines it wrote (those cut short among them), of how many."""
+    args, signum = job.args, job.interrupts.signum
+    assert signum is not None
+    written, cut = job.stats.records, job.cut
+    if args.resume is not None:  # interrupted records are not written to FILE: the next run does them
+        written, cut = written - cut, 0
+    elif total is None and not args.interactive:  # regular files can be counted again
+        total = count_records(args.files, args.null, args.max_line_bytes)
+    how = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
+    of = f" of {total}" if total is not None and args.resume is None else ""
+    noun = "record" if (total if of else written) == 1 else "records"
+    return f"mlxpipe: interrupted{how} after {written}{of} {noun}" + (f" ({cut} cut short)" if cut else "")
 
 
 def total_records(args: argparse.Namespace, console: Console | None) -> int | None:

@@ -327,6 +327,9 @@ OPTIONS: tuple[Option, ...] = (
         "output",
         "Text: newlines inside an answer become spaces, so output line N answers input line N.",
         action="store_true",
+        man="Every input line gets exactly one output line: a blank input line (skipped, not a record) an "
+        "empty one, a failed record an empty one (its error is on standard error). With -z the same holds "
+        "for NUL-separated records, with or without --one-line.",
     ),
     Option(
         ("--unordered",),
@@ -341,6 +344,9 @@ OPTIONS: tuple[Option, ...] = (
         "skipped, new done and error lines are appended to FILE (not stdout). Needs --out jsonl; "
         "implies --no-stream.",
         metavar="FILE",
+        man="A record without an id is known by its number, so keep the input unchanged between runs. "
+        "A record whose id an earlier record already has is refused with an error line, never skipped "
+        "as done.",
     ),
     Option(
         ("--fail-fast",),
@@ -348,7 +354,15 @@ OPTIONS: tuple[Option, ...] = (
         "Stop at the first record that fails (exit status 1), after its error line.",
         action="store_true",
     ),
-    Option(("--stats",), "output", "Print a summary line on stderr at the end.", action="store_true"),
+    Option(
+        ("--stats",),
+        "output",
+        "Print a summary line on stderr at the end.",
+        action="store_true",
+        man="It gives two rates: the generated tokens over the wall time since the model was loaded "
+        "(prompts included; what a job's throughput is), and the rate a record decodes at (its tokens "
+        "after the first over their time, as a done event's tps), over all records.",
+    ),
     Option(
         ("-q", "--quiet"),
         "output",

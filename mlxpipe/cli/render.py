@@ -21,6 +21,8 @@ class Stats:
     prompt_tokens: int = 0
     tokens: int = 0
     peak_memory: int = 0
+    decode_tokens: int = 0  # each record's tokens after its first ...
+    decode_seconds: float = 0.0  # ... and the time they took (from its done event's tps)
     batch: str = ""  # how many records generated together, and why when --batch auto chose it
 
     def add(self, event: Event) -> None:
@@ -29,17 +31,29 @@ class Stats:
             self.prompt_tokens += event.prompt_tokens
             self.tokens += event.tokens
             self.peak_memory = max(self.peak_memory, event.peak_memory)
+            if event.tps > 0:
+                self.decode_tokens += event.tokens - 1
+                self.decode_seconds += (event.tokens - 1) / event.tps
         elif isinstance(event, Error):
             self.records += 1
             self.failed += 1
 
     def line(self, seconds: float) -> str:
+        """The summary, with two rates (they differ most under --batch): generated tokens over the wall time
+        since the model was loaded (prompts included), and the rate a record decodes at (its tokens after
+        the first over their time, as a done event's ``tps``), over all records."""
         tps = self.tokens / seconds if seconds > 0 else 0.0
+        decode = self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
         return (
-            f"mlxpipe: {self.records} records, {self.failed} failed, {self.prompt_tokens} prompt tokens, "
-            f"{self.tokens} generated tokens, {tps:.1f} tok/s, peak memory "
+            f"mlxpipe: {self.records} {_plural(self.records, 'record')}, {self.failed} failed, "
+            f"{self.prompt_tokens} prompt tokens, {self.tokens} generated tokens, "
+            f"{tps:.1f} tok/s generated over the wall time, {decode:.1f} tok/s a record decodes, peak memory "
             f"{self.peak_memory / 1e6:.1f} MB, {seconds:.1f} s" + (f", {self.batch}" if self.batch else "")
         )
+
+
+def _plural(count: int, noun: str) -> str:
+    return noun if count == 1 else noun + "s"
 
 
 _NEWLINES = re.compile(r"[\r\n]+")
@@ -81,7 +95,19 @@ class Renderer:
         else:  # a failed record still gets its (empty) line, so output line N answers input line N
             self._emit(self.end)
 
+    @property
+    def aligned(self) -> bool:
+        """Whether output line (or NUL record) N answers input line N: text with --one-line or -z."""
+        return not self.jsonl and (self.one_line or self.end == b"\0")
+
+    def blank_lines(self, count: int) -> None:
+        """The empty lines of ``count`` blank input records (not records), when output is :attr:`aligned`."""
+        if count and self.aligned:
+            self._emit(self.end * count)
+
     def _text(self, text: str) -> str:
+        if self.end == b"\0":  # a NUL in an answer would split its record in two
+            text = text.replace("\0", " ")
         return _NEWLINES.sub(" ", text) if self.one_line else text
 
     def _emit(self, data: bytes) -> None:

@@ -1,4 +1,7 @@
-"""SIGINT and SIGTERM: the first ends the record in flight cleanly, a second exits at once.
+"""SIGINT, SIGTERM and SIGHUP: the first ends the record in flight cleanly, a second exits at once.
+
+SIGHUP (the terminal or the ssh session closed) is taken as SIGTERM is, unless it was ignored at the start
+(``nohup``), which is kept.
 
 The process ends the Unix way (:func:`die`): once the interrupted record's line is written and flushed, the
 handler is reset and the signal raised again, so the parent sees "killed by SIGINT" (a shell's ``for`` loop
@@ -23,7 +26,12 @@ from typing import NoReturn
 
 from ..records import BadRecord, Record
 
-__all__ = ["Interrupts", "die", "exit_process", "reraise_at_exit"]
+__all__ = ["QUIT_SIGNALS", "Interrupts", "die", "exit_process", "reraise_at_exit"]
+
+# The signals that end a run (cleanly, then at once); SIGINT alone means "stop this answer" interactively.
+QUIT_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 
 _reraise: int | None = None  # the signal the process ends by, once main returns (set by reraise_at_exit)
 
@@ -81,7 +89,7 @@ def die(signum: int, flush: bool = True) -> NoReturn:
 
 
 class Interrupts:
-    """SIGINT and SIGTERM: the first ends the record in flight cleanly, a second exits at once."""
+    """SIGINT, SIGTERM and SIGHUP: the first ends the record in flight cleanly, a second exits at once."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -92,8 +100,10 @@ class Interrupts:
         self.watched = False  # this instance's signals are counted by the watcher thread
 
     def install(self) -> None:
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
+        for signum in QUIT_SIGNALS:
+            if signum != signal.SIGINT and signal.getsignal(signum) is signal.SIG_IGN:
+                continue  # nohup's SIGHUP, or a parent's choice: kept ignored
+            signal.signal(signum, self._handle)
         self._watch()
 
     _watching = False
@@ -138,7 +148,7 @@ class Interrupts:
                 if not data:
                     return
                 for signum in data:
-                    self.seen += signum in (signal.SIGINT, signal.SIGTERM)
+                    self.seen += signum in QUIT_SIGNALS
                     if self.seen - self.base >= 2:
                         die(signum, flush=False)
 

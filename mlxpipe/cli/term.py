@@ -85,11 +85,15 @@ class Progress:
         from tqdm import tqdm  # imported only when a terminal will show it
 
         try:
-            width = os.get_terminal_size(stream.fileno()).columns
+            width, height = os.get_terminal_size(stream.fileno())
         except (OSError, ValueError):
-            width = 0
-        # A terminal that reports no width (a fresh pty) would get an empty bar: assume 80 columns.
-        size = {"dynamic_ncols": True} if width else {"ncols": 80}
+            width = height = 0
+        # A terminal that reports no size (a fresh pty, `script`, `docker exec -t` before a resize) would get
+        # an empty bar, or none (tqdm draws nothing with no rows, and re-reads them when following resizes):
+        # what is missing is assumed, 80 columns and 24 rows, and resizes are then not followed.
+        size: dict[str, Any] = (
+            {"dynamic_ncols": True} if width and height else {"ncols": width or 80, "nrows": height or 24}
+        )
         self.bar = tqdm(total=total, desc="mlxpipe", unit=" records", file=stream, leave=False, **size)
         self.stream = stream
         self.started = self.drawn = time.perf_counter()
@@ -182,11 +186,12 @@ class Console:
     def mark_cut(self, event: Event, inline: bool) -> None:
         """After an answer that ``--max-tokens`` cut short, a mark on stderr, when stdout and stderr are the
         same terminal and the answer's text streamed there (``inline``): stdout itself is unchanged."""
-        if not (inline and isinstance(event, Done) and event.finish_reason == "length"):
+        if not (inline and isinstance(event, Done) and event.finish_reason in ("length", "context")):
             return
         if self.stream is None or not (_isatty(self.stream) and os.isatty(1)):
             return
-        mark = f" [cut at {event.tokens} tokens: --max-tokens]"
+        why = "--max-tokens" if event.finish_reason == "length" else "the model's context is full"
+        mark = f" [cut at {event.tokens} tokens: {why}]"
         try:
             if self._raw is not None:
                 write_all(self._raw, (f"{DIM}{mark}{RESET}" if self.colour else mark).encode())

@@ -20,6 +20,7 @@ from ..records import Record
 from .choices import choose
 from .generate import greedy_argmax
 from .sampling import StopStrings
+from .tokenizer import finalize_whole
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -369,6 +370,7 @@ class _Slot:
     prompt_tps: float = 0.0
     tokens: int = 0
     text: list[str] = field(default_factory=list)
+    context_bound: bool = False  # the model's context, not max_tokens, limits the answer
 
 
 class Batch:
@@ -426,9 +428,10 @@ class Batch:
             return
         inserted = time.perf_counter()
         cached, cache = self.engine.prefix_for(record, tokens)
+        budget, bound = self.engine.budget(record, tokens)
         (uid,) = self._gen.insert(
             [tokens[cached:]],
-            max_tokens=[s.max_tokens],
+            max_tokens=[budget],
             caches=[cache] if cache is not None else None,
             all_tokens=[tokens[:cached]],  # logits processors see the whole prompt, as in sequential mode
             samplers=[self.engine.sampler_for(record)],
@@ -436,6 +439,7 @@ class Batch:
         )
         detokenizer = self.engine.tokenizer.detokenizer  # a fresh copy per record
         self._slots[uid] = _Slot(record, detokenizer, StopStrings(s.stop), len(tokens), inserted)
+        self._slots[uid].context_bound = bound
 
     def step(self) -> list[Chunk | Done | Error]:
         """Generate one token for every record in flight; return the resulting events.
@@ -457,7 +461,7 @@ class Batch:
                 slot.detokenizer.add_token(r.token)
                 finish = r.finish_reason
             if finish is not None:
-                slot.detokenizer.finalize()
+                finalize_whole(slot.detokenizer)
             segment, finish = slot.stops.feed(slot.detokenizer.last_segment, finish)
             events.extend(self._emit(r.uid, slot, segment, finish, now))
             if finish is not None and r.finish_reason is None:
@@ -478,7 +482,7 @@ class Batch:
         now = time.perf_counter()
         self._remove(list(self._slots))
         for uid, slot in sorted(self._slots.items(), key=lambda item: item[1].record.index):
-            slot.detokenizer.finalize()
+            finalize_whole(slot.detokenizer)
             segment, finish = slot.stops.feed(slot.detokenizer.last_segment, None)
             if finish is None:
                 segment, finish = segment + slot.stops.flush(), "interrupted"
@@ -504,6 +508,8 @@ class Batch:
             events.append(Chunk(rec.index, rec.id, segment, slot.tokens, tps))
         if finish is not None:
             del self._slots[uid]
+            if finish == "length" and slot.context_bound:
+                finish = "context"
             try:
                 extra = self.engine.finish_fields(rec, "".join(slot.text), finish)
             except RecordError as exc:

@@ -266,6 +266,15 @@ class Engine:
             return 0, None
         return self.prefixes.split(self.prompts.shared_head(record), tokens)
 
+    def budget(self, record: Record, tokens: list[int]) -> tuple[int, bool]:
+        """The most tokens ``record`` may generate after its prompt ``tokens``, and whether the model's
+        context (what the prompt leaves of it) is the limit rather than its max_tokens: then an answer that
+        reaches it ends with finish_reason "context", never running past the context."""
+        room = self.context_length - len(tokens) if self.context_length else None
+        if room is not None and room < record.settings.max_tokens:
+            return max(room, 1), True
+        return record.settings.max_tokens, False
+
     def sampler_for(self, record: Record) -> sampling.Sampler:
         """mlx-lm's sampler for ``record`` (see :func:`.sampling.sampler_for`)."""
         return sampling.sampler_for(record.settings, self.vocab_size)
@@ -306,11 +315,12 @@ class Engine:
             processors = [sampling.after_prefix(tokens[:cached], processors)]
         stops = sampling.StopStrings(s.stop)
         text: list[str] = []
+        budget, bound = self.budget(record, tokens)
         responses = stream_generate(
             self.model,
             self.tokenizer,
             tokens[cached:],
-            max_tokens=s.max_tokens,
+            max_tokens=budget,
             sampler=self.sampler_for(record),
             logits_processors=processors,
             prompt_cache=cache,
@@ -335,6 +345,8 @@ class Engine:
                     yield Chunk(record.index, record.id, segment, r.generation_tokens, tps)
                 if finish is not None:
                     answer = "".join(text)
+                    if finish == "length" and bound:
+                        finish = "context"
                     yield Done(
                         index=record.index,
                         id=record.id,

@@ -19,6 +19,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from .tokenizer import finalize_whole
+
 __all__ = ["Response", "generation_stream", "stream_generate"]
 
 # Off only in benchmarks, to measure the log-softmax a greedy step skips.
@@ -140,7 +142,7 @@ def stream_generate(
             if n + 1 == max_tokens:
                 break
             yield Response(detokenizer.last_segment, token, n + 1, mx.get_peak_memory() / 1e9)
-        detokenizer.finalize()
+        finalize_whole(detokenizer)  # never a half character (U+FFFD) at a cut
         finish = "stop" if token in eos else "length"
         yield Response(detokenizer.last_segment, token, n + 1, mx.get_peak_memory() / 1e9, finish)
     finally:

@@ -1,7 +1,9 @@
 """Shared prefixes: the KV cache of a prompt's record-independent start, computed once and reused.
 
 The split point comes from :meth:`.prompts.Prompts.shared_head` and depends only on the record itself, never
-on its neighbours, so an answer does not change with what came before it. Where the engine gives a file for
+on its neighbours, so an answer does not change with what came before it. A new prefix that begins with one
+already cached (a ``--chat`` turn's head: the last turn's head, its question and answer) is computed from that
+one's KV cache on, not from the start. Where the engine gives a file for
 a prefix (``store``), its KV cache is also kept between runs: a process started per file (``make``,
 ``xargs``) reads its system prompt's cache instead of computing it again. The file's name carries everything
 that decides the numbers (tokens, dtype, device, versions, code), so a kept cache is the one a run would
@@ -64,7 +66,11 @@ class PrefixCache:
                 return 0, None  # sliding-window or recurrent caches cannot be shared by slicing
             path = self.store(key) if self.store is not None else None
             if path is None or not _read_kv(path, cache, n):
-                prefill(self.model, cache, key, step=self.prefill_step)
+                # A conversation's next turn starts with the last turn's head: only the rest is computed.
+                start, base = self._longest_within(key)
+                if base is not None:
+                    cache = [_copy_kv(c, start) for c in base]
+                prefill(self.model, cache, key, step=self.prefill_step, start=start)
                 if path is not None:
                     _write_kv(path, cache, n)
             self._entries[key] = cache
@@ -72,6 +78,17 @@ class PrefixCache:
                 self._entries.popitem(last=False)
         self._entries.move_to_end(key)
         return n, [_copy_kv(c, n) for c in cache]
+
+    def _longest_within(self, key: tuple[int, ...]) -> tuple[int, list[Any] | None]:
+        """The longest cached prefix that ``key`` begins with: its length and its KV cache; ``(0, None)``."""
+        best: tuple[int, ...] = ()
+        for other in self._entries:
+            if len(best) < len(other) < len(key) and key[: len(other)] == other:
+                best = other
+        if not best:
+            return 0, None
+        self._entries.move_to_end(best)
+        return len(best), self._entries[best]
 
 
 def prefill(model: Any, cache: list[Any], tokens: Sequence[int], *, step: int, start: int = 0) -> None:

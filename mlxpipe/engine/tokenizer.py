@@ -9,6 +9,7 @@ other folder, and a conversation this renderer does not cover goes to transforme
 
 from __future__ import annotations
 
+import codecs
 import copy
 import itertools
 import json
@@ -23,7 +24,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-__all__ = ["FastTokenizer", "load"]
+__all__ = ["FastTokenizer", "finalize_whole", "load"]
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _THINK_PAIRS = (
@@ -387,6 +388,37 @@ class _BytePairs(_Detokenizer):
         current_text = bytearray(byte_decoder[c] for c in self._unflushed).decode("utf-8", "replace")
         self.text += self._maybe_trim_space(current_text)
         self._unflushed = ""
+
+
+def _unfinished(data: bytes) -> int:
+    """How many bytes at the end of ``data`` begin a UTF-8 character they do not finish (0 to 3)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data[-4:], final=False)  # a character is at most 4 bytes: the tail decides
+    return len(decoder.getstate()[0])
+
+
+def finalize_whole(detokenizer: Any) -> None:
+    """``detokenizer.finalize()``, less the bytes of a character the answer stopped in the middle of.
+
+    mlx-lm's detokenizers (ours are copies) decode what is left with "replace", so an answer cut by max
+    tokens, an interrupt or the end inside a multi-byte character ended in U+FFFD. Here those bytes are
+    dropped first: the text ends at the last whole character. Works on mlx-lm's own detokenizers too.
+    """
+    unflushed = getattr(detokenizer, "_unflushed", None)
+    if isinstance(unflushed, bytes) and unflushed:  # SentencePiece: the bytes themselves
+        if cut := _unfinished(unflushed):
+            detokenizer._unflushed = unflushed[:-cut]
+    elif isinstance(unflushed, str) and unflushed:  # byte-level BPE: one stand-in character a byte
+        stand_in = _byte_decoder()
+        data = bytes(stand_in.get(c, 0x20) for c in unflushed[-4:])  # (an added token's text: whole)
+        if cut := _unfinished(data):
+            detokenizer._unflushed = unflushed[:-cut]
+    elif getattr(detokenizer, "_current_tokens", None):  # naive: whole tokens, decoded by the tokenizer
+        decode = detokenizer._tokenizer.decode
+        tokens = detokenizer._current_tokens
+        while tokens and decode(tokens).endswith("\ufffd"):
+            tokens.pop()  # a token of bytes that make no character yet
+    detokenizer.finalize()
 
 
 _SPM = [
