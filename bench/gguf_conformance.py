@@ -129,19 +129,22 @@ def llama_cpp_run(
 
 
 def mlx_run(path: Path, prompt_tokens: list[int], path_tokens: list[int], prompt: str) -> tuple[Any, ...]:
-    """mlxpipe's engine on the file (converted, loaded as the command loads it: float32 on a CPU): prompt
+    """mlxpipe's engine on the file (converted, loaded as the command loads it): prompt
     tokens, greedy continuation, and the logits along llama.cpp's greedy path."""
     import mlx.core as mx
-    import mlx_lm
 
     from mlxpipe.engine import Engine
+    from mlxpipe.engine.generate import stream_generate
 
     engine = Engine.load(str(path))
     model, tokenizer = engine.model, engine.tokenizer
     ours = tokenizer.encode(prompt)
     seq = mx.array([prompt_tokens + path_tokens[:-1]])
     logits = np.array(model(seq)[0, len(prompt_tokens) - 1 :].astype(mx.float32))
-    stream = mlx_lm.stream_generate(model, tokenizer, mx.array(prompt_tokens), max_tokens=STEPS)
+    stream = stream_generate(
+        model, tokenizer, prompt_tokens, max_tokens=STEPS, sampler=lambda x: mx.argmax(x, axis=-1),
+        logits_processors=[],
+    )  # fmt: skip
     greedy = [r.token for r in stream]
     return ours, greedy, logits
 

@@ -19,7 +19,7 @@ from .source import ModelSource
 __all__ = ["CONVERTER_VERSION", "derived_file", "materialize"]
 
 # Part of the cache key: bump it whenever the converter's output changes, so old folders are not reused.
-CONVERTER_VERSION = "2"
+CONVERTER_VERSION = "3"
 _UNSAFE = r"[^\w.-]+"  # what a file name made of a model's name or a tag does not keep
 
 
