@@ -9,6 +9,8 @@ difference at the first step, top-1 agreement over all steps). The reference in 
 llama.cpp on the file's weights dequantized to F32 (gguf-py), whose greedy tokens both llama.cpp on the file
 (its 8-bit quantized activations) and mlxpipe are compared with; where the greedy runs part, the parting step
 is shown in both engines on both files, which tells llama.cpp's activation noise from a conversion error.
+Last column: mlxpipe's batched path (every prompt at once, ``--batch``) against llama.cpp's greedy texts. One
+prompt is longer than the factory's sliding window (64: gemma2, gemma3), so attention past the window counts.
 Needs the `bench` extra (llama-cpp-python); not part of the tests.
 
     python bench/gguf_conformance.py [--types Q4_0,Q4_K_M,...] [--archs llama,qwen2,...] [--out table.md]
@@ -38,7 +40,9 @@ PROMPTS = [
     "東京は晴れ、北京欢迎你 — Café naïve",
     "def f(x):\n    return x * 2  # it's done\n",
 ]
-TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0"]
+# A prompt longer than the factory's sliding window (64 positions: gemma2, gemma3): attention past the window.
+PROMPTS.append(" ".join(["Each lighthouse keeper wrote the weather, the ships and the lamp's hours."] * 6))
+TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K"]
 STEPS = 16
 SCALE = (
     1.3  # larger makes the random network chaotic: llama.cpp's quantized activations then flip greedy picks
@@ -149,6 +153,23 @@ def mlx_run(path: Path, prompt_tokens: list[int], path_tokens: list[int], prompt
     return ours, greedy, logits
 
 
+def mlx_batched(path: Path, prompts: list[str]) -> list[str]:
+    """mlxpipe's batched path (``--batch`` with every prompt at once, no chat template): each greedy text."""
+    from mlxpipe import records_from_objects, run
+    from mlxpipe.engine import Engine
+    from mlxpipe.events import Done
+    from mlxpipe.records import Settings
+
+    engine = Engine.load(str(path))
+    settings = Settings(max_tokens=STEPS, temperature=0.0, raw=True)
+    done = [
+        e
+        for e in run(records_from_objects(prompts, settings), engine, batch=len(prompts))
+        if isinstance(e, Done)
+    ]
+    return [e.text for e in sorted(done, key=lambda e: e.index)]
+
+
 def parting(
     path: Path, exact: Path, prompt: str, ptoks: list[int], ours: list[int], theirs: list[int]
 ) -> str:
@@ -171,6 +192,19 @@ def parting(
     return f"parted at step {k}: " + "; ".join(f"{name} {top2(r[k])}" for name, r in rows.items())
 
 
+def _text(path: Path, tokens: list[int]) -> str:
+    """``tokens`` as mlxpipe's tokenizer for ``path`` reads them, up to the first end token."""
+    from mlxpipe.engine import Engine
+
+    tokenizer = _text_engines.get(path) or _text_engines.setdefault(path, Engine.load(str(path)).tokenizer)
+    ends = set(tokenizer.eos_token_ids)
+    kept = tokens[: next((i for i, t in enumerate(tokens) if t in ends), len(tokens))]
+    return str(tokenizer.decode(kept))
+
+
+_text_engines: dict[Path, Any] = {}
+
+
 def _same(a: list[int], b: list[int]) -> int:
     return sum(x == y for x, y in zip(a, b, strict=False))
 
@@ -189,8 +223,8 @@ def main() -> None:
     rows = [
         "| arch | type | GGUF MB | MLX MB | prompt tokens equal | greedy tokens equal (min/16) | "
         "top-1 agreement | first-step max abs diff (logit range) | on F32 weights, greedy equal (min/16): "
-        "llama.cpp on the file | mlxpipe |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "llama.cpp on the file | mlxpipe | `--batch` greedy texts equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
@@ -209,8 +243,10 @@ def main() -> None:
                 )
                 same_prompt, worst, agree, total, diff, spread = 0, STEPS, 0, 0, 0.0, 0.0
                 self_worst, exact_worst = STEPS, STEPS
+                wanted = []  # llama.cpp's greedy text of each prompt, up to an end token
                 for prompt in PROMPTS:
                     ptoks, theirs, ref = llama_cpp_run(path, prompt)
+                    wanted.append(_text(path, theirs))
                     ours_p, ours_g, logits = mlx_run(path, ptoks, theirs, prompt)
                     same_prompt += ours_p == ptoks
                     worst = min(worst, _same(ours_g, theirs))
@@ -228,6 +264,11 @@ def main() -> None:
                         print(f"  {arch} {qtype} {prompt[:20]!r}: {why}", flush=True)
                 size = sum(f.stat().st_size for f in folder.iterdir()) / 1e6
                 f32 = "— | —" if exact == path else f"{self_worst} | {exact_worst}"
+                # (a text's leading space is the detokenizer's to drop: compared without it)
+                batched = sum(
+                    a.strip() == b.strip() for a, b in zip(mlx_batched(path, PROMPTS), wanted, strict=True)
+                )
+                f32 += f" | {batched}/{len(PROMPTS)}"
                 row = (f"| {arch} | {qtype} | {path.stat().st_size / 1e6:.1f} | {size:.1f} | "
                        f"{same_prompt}/{len(PROMPTS)} | {worst} | {100 * agree / total:.1f}% | "
                        f"{diff:.3f} ({spread:.1f}) | {f32} |")  # fmt: skip
