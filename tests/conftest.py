@@ -102,8 +102,8 @@ def blas_runs_here(source: str, path: str) -> bool:
     return True
 
 
-def start_cli(args: list[str]) -> subprocess.Popen[bytes]:
-    """Start ``mlxpipe ARGS`` as a real process with stdin, stdout and stderr as pipes."""
+def start_cli(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """Start ``mlxpipe ARGS`` as a real process, stdin, stdout and stderr pipes (``kwargs``: Popen's)."""
     return subprocess.Popen(
         [*MLXPIPE, *args],
         stdin=subprocess.PIPE,
@@ -111,6 +111,7 @@ def start_cli(args: list[str]) -> subprocess.Popen[bytes]:
         stderr=subprocess.PIPE,
         env=cli_env(),
         cwd=REPO,
+        **kwargs,
     )
 
 

@@ -280,17 +280,22 @@ def test_a_converted_model_changed_in_place_is_converted_again(
 # ---- interrupted work ---------------------------------------------------------------------------------
 
 
-def test_a_scratch_folder_of_a_live_process_is_kept_and_a_dead_ones_removed(tmp_path: Path) -> None:
+def _scratch_owner(folder: Path, prelude: str = "") -> tuple[subprocess.Popen[bytes], Path]:
+    """A process holding a scratch folder in ``folder`` (half a file written in it), and that folder."""
     code = (
-        "import sys, time\nfrom pathlib import Path\nfrom mlxpipe import cachefiles\n"
+        f"import signal, sys, time\nfrom pathlib import Path\n{prelude}from mlxpipe import cachefiles\n"
         "s = cachefiles.Scratch(Path(sys.argv[1]))\n(s.path / 'half').write_bytes(b'x' * 1000)\n"
         "print(s.path, flush=True)\ntime.sleep(1000)\n"
     )
     owner = subprocess.Popen(
-        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, env=cli_env(), cwd=REPO
+        [sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, env=cli_env(), cwd=REPO
     )
     assert owner.stdout is not None
-    path = Path(owner.stdout.readline().decode().strip())
+    return owner, Path(owner.stdout.readline().decode().strip())
+
+
+def test_a_scratch_folder_of_a_live_process_is_kept_and_a_dead_ones_removed(tmp_path: Path) -> None:
+    owner, path = _scratch_owner(tmp_path)
     old = time.time() - 2 * cachefiles.STALE_SECONDS
     os.utime(path, (old, old))
     cachefiles.clean_stale(tmp_path)
@@ -305,18 +310,9 @@ def test_a_scratch_folder_of_a_live_process_is_kept_and_a_dead_ones_removed(tmp_
 def test_a_signal_while_a_scratch_folder_lives_removes_it_and_ends_by_the_signal(
     tmp_path: Path, signum: int
 ) -> None:
-    code = (
-        "import signal, sys, time\nfrom pathlib import Path\n"
-        "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"  # as the mlxpipe command starts
-        "from mlxpipe import cachefiles\n"
-        "s = cachefiles.Scratch(Path(sys.argv[1]))\n(s.path / 'half').write_bytes(b'x' * 1000)\n"
-        "print(s.path, flush=True)\ntime.sleep(1000)\n"
-    )
-    owner = subprocess.Popen(
-        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, env=cli_env(), cwd=REPO
-    )
-    assert owner.stdout is not None
-    path = Path(owner.stdout.readline().decode().strip())
+    owner, path = _scratch_owner(
+        tmp_path, "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+    )  # as mlxpipe starts
     assert path.exists()
     owner.send_signal(signum)
     assert owner.wait() == -signum

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MLXPIPE, REPO, cli_env, run_cli
+from conftest import REPO, cli_env, run_cli, start_cli
 
 FAKECLI = [sys.executable, str(REPO / "tests" / "fakecli.py")]
 
@@ -176,15 +176,7 @@ def test_an_answer_cut_inside_a_character_ends_at_the_last_whole_one(tmp_path: P
 
 def _start(args: list[str], hup: object = signal.SIG_DFL) -> subprocess.Popen[bytes]:
     """``mlxpipe ARGS`` with SIGHUP at ``hup`` in the child (``SIG_IGN``: as ``nohup`` starts it)."""
-    return subprocess.Popen(
-        [*MLXPIPE, *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=cli_env(),
-        cwd=REPO,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, hup),  # type: ignore[arg-type]
-    )
+    return start_cli(args, preexec_fn=lambda: signal.signal(signal.SIGHUP, hup))  # type: ignore[arg-type]
 
 
 @pytest.mark.model
