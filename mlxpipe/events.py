@@ -70,7 +70,8 @@ from typing import Any, ClassVar, Protocol
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _dumps(obj: dict[str, Any]) -> str:
+def dumps(obj: dict[str, Any]) -> str:
+    """``obj`` as one compact line of UTF-8 JSON, as every event is written."""
     text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
     # A lone surrogate (a name's byte that was not UTF-8) cannot be encoded: write it as its JSON escape.
     # Outside strings JSON has no such character, so every match is inside one.
@@ -106,7 +107,7 @@ class Chunk:
         }
 
     def to_json(self) -> str:
-        return _dumps(self.to_dict())
+        return dumps(self.to_dict())
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class Done:
         }
 
     def to_json(self) -> str:
-        return _dumps(self.to_dict())
+        return dumps(self.to_dict())
 
 
 class _Located(Protocol):
@@ -185,7 +186,7 @@ class Error:
         return {"event": self.kind, "id": self.id, "file": self.file, "line": self.line, "error": self.error}
 
     def to_json(self) -> str:
-        return _dumps(self.to_dict())
+        return dumps(self.to_dict())
 
     def message(self) -> str:
         """The one-line form for stderr, in the style of jq: ``mlxpipe: error (at FILE:LINE): …``."""
