@@ -162,7 +162,7 @@ def _scan(path: str) -> tuple[set[str], int, int]:
                 if event["response"] is not None:
                     done.add(record_key(event["custom_id"]))
                 continue
-            if not isinstance(event, dict) or event.get("event") not in ("chunk", "done", "error"):
+            if not isinstance(event, dict) or event.get("event") not in ("chunk", "done", "error", "summary"):
                 raise UsageError(
                     f"--resume file {path}:{number} is not mlxpipe JSONL output; refusing to append to it"
                 )

@@ -207,3 +207,35 @@ def test_interrupted_openai_job_resumes_to_each_custom_id_once(tmp_path: Path, s
     r = run_cli(args)
     assert r.returncode == 0, r.stderr
     check_output(out.read_bytes(), requests)  # each custom_id once, in order, every one answered
+
+
+# ---------------------------------------------------------------------------------------------
+# --stats: a summary event for machines
+
+
+def test_stats_with_jsonl_ends_stdout_with_a_summary_event(tmp_path: Path) -> None:
+    r = fake(["--jsonl", "--no-stream", "--stats"], input=b'{"prompt": "a b"}\n{"prompt": 3}\n"c"\n')
+    assert r.returncode == 1, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [e["event"] for e in lines] == ["done", "error", "done", "summary"]
+    summary = lines[-1]
+    assert (summary["records"], summary["failed"]) == (3, 1)
+    assert summary["tokens"] == sum(e["tokens"] for e in lines if e["event"] == "done")
+    assert summary["prompt_tokens"] == sum(e["prompt_tokens"] for e in lines if e["event"] == "done")
+    assert summary["peak_memory"] > 0 and summary["seconds"] >= 0 and summary["batch"]
+    assert {"tps", "decode_tps"} <= set(summary)
+    assert "mlxpipe: 3 records, 1 failed" in r.stderr.decode()  # the stderr line stays
+
+
+def test_stats_summary_is_not_written_in_text_or_openai_output_or_the_resume_file(tmp_path: Path) -> None:
+    text = fake(["--stats"], input=b"a\n")
+    assert text.stdout == b"echo: a\n" and b"mlxpipe: 1 record" in text.stderr
+    inp = batch_file(tmp_path, [chat("a", "hi")])
+    openai = fake(["--out", "openai", "--stats", str(inp)])
+    assert [json.loads(line)["custom_id"] for line in openai.stdout.splitlines()] == ["a"]
+    out = tmp_path / "out.jsonl"
+    for _ in range(2):  # the second run reads FILE again: it holds no summary line
+        r = fake(["--jsonl", "--stats", "--resume", str(out)], input=b'"x"\n')
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["event"] == "summary"
+    assert [json.loads(line)["event"] for line in out.read_bytes().splitlines()] == ["done"]

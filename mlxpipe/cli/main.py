@@ -267,9 +267,7 @@ def _run(
             except OutputError as exc:
                 console.say(f"mlxpipe: error: {exc}")
                 return EXIT_OUTPUT
-            if args.stats:
-                console.say(job.stats.line(0.0))
-            return EXIT_OK
+            return _stats(job, 0.0) or EXIT_OK
         records = itertools.chain([first], records)
     try:
         engine = _load(args, console, ranks)
@@ -293,11 +291,30 @@ def _run(
         if ranks.rank:  # rank 0 carries the job's status, a stop included
             return _helper_rank_done()
         console.close()
-        if args.stats:
-            console.say(job.stats.line(time.perf_counter() - started))
+        failed = _stats(job, time.perf_counter() - started)
+        if failed:
+            return failed
     except KeyboardInterrupt:
         pass
     return _status(job)
+
+
+def _stats(job: _Job, seconds: float) -> int | None:
+    """--stats: the summary line on stderr and, with JSONL output, the ``summary`` event last on stdout
+    (never in --resume's FILE); an exit status when stdout fails."""
+    if not job.args.stats:
+        return None
+    job.console.say(job.stats.line(seconds))
+    if job.args.out_format != "jsonl":
+        return None
+    try:
+        write_all(raw_stdout(), job.stats.summary(seconds).to_json().encode() + b"\n")
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    except OSError as exc:
+        job.console.say(f"mlxpipe: error: {OutputError('stdout', exc)}")
+        return EXIT_OUTPUT
+    return None
 
 
 def _records(job: _Job, reader: RecordReader, resume: ResumeFile | None) -> Iterator[Record | BadRecord]:

@@ -358,7 +358,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--stats",),
         "output",
-        "Print a summary line on stderr at the end.",
+        "Print a summary line on stderr at the end (with --out jsonl also a summary event, last on stdout).",
         action="store_true",
         man="It gives two rates: the generated tokens over the wall time since the model was loaded "
         "(prompts included; what a job's throughput is), and the rate a record decodes at (its tokens "

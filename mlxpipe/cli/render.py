@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from .. import batchapi
-from ..events import Chunk, Done, Error, Event, dumps
+from ..events import Chunk, Done, Error, Event, Summary, dumps
 from .streams import OutputError, write_all
 
 __all__ = ["Renderer", "Stats"]
@@ -39,12 +39,29 @@ class Stats:
             self.records += 1
             self.failed += 1
 
-    def line(self, seconds: float) -> str:
-        """The summary, with two rates (they differ most under --batch): generated tokens over the wall time
-        since the model was loaded (prompts included), and the rate a record decodes at (its tokens after
-        the first over their time, as a done event's ``tps``), over all records."""
+    def summary(self, seconds: float) -> Summary:
+        """The totals as the ``summary`` event, with two rates (they differ most under --batch): generated
+        tokens over the wall time since the model was loaded (prompts included), and the rate a record
+        decodes at (its tokens after the first over their time, as a done event's ``tps``), over all
+        records."""
         tps = self.tokens / seconds if seconds > 0 else 0.0
         decode = self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        return Summary(
+            self.records,
+            self.failed,
+            self.prompt_tokens,
+            self.tokens,
+            seconds,
+            tps,
+            decode,
+            self.peak_memory,
+            self.batch,
+        )
+
+    def line(self, seconds: float) -> str:
+        """The summary line for stderr (see :meth:`summary`)."""
+        summary = self.summary(seconds)
+        tps, decode = summary.tps, summary.decode_tps
         return (
             f"mlxpipe: {self.records} {_plural(self.records, 'record')}, {self.failed} failed, "
             f"{self.prompt_tokens} prompt tokens, {self.tokens} generated tokens, "
