@@ -1,7 +1,7 @@
 """The OpenAI Batch API's JSONL, which vLLM's ``run-batch`` also reads and writes.
 
 Input: a request line ``{"custom_id", "method": "POST", "url", "body"}`` (known by ``custom_id`` with
-``body`` or ``url``, or every line with ``--in openai``) becomes the fields of an mlxpipe
+``body``, or every line with ``--in openai``) becomes the fields of an mlxpipe
 JSONL record (:func:`request_fields`), so the reader's own checks apply to them. ``url`` is
 ``/v1/chat/completions`` (``body.messages``) or ``/v1/completions`` (``body.prompt``, sent without the chat
 template). From ``body``: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``,
@@ -42,8 +42,9 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 
 def is_request(obj: Mapping[str, Any]) -> bool:
-    """Whether a JSONL object is a Batch API request line: it has ``custom_id``, and ``body`` or ``url``."""
-    return "custom_id" in obj and ("body" in obj or "url" in obj)
+    """Whether a JSONL object is a Batch API request line: it has ``custom_id`` and ``body`` (a record of
+    mlxpipe's own never has a ``body``)."""
+    return "custom_id" in obj and "body" in obj
 
 
 def request_fields(obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:

@@ -61,7 +61,7 @@ CASES: list[tuple[dict[str, Any], str | None]] = [
     (chat("c-1", "duplicate"), "ids must be unique"),
     (chat("c-11", "x", max_tokens=0), "'max_tokens' must be an integer"),
     (completion("c-12", ["one", "two"]), "one request, one prompt"),
-    ({"custom_id": "c-13", "method": "POST", "url": "/v1/chat/completions"}, "needs"),
+    ({"custom_id": "c-13", "method": "POST", "body": {"prompt": "x"}}, "'url' null is not supported"),
 ]
 
 
@@ -153,8 +153,10 @@ def test_in_openai_refuses_a_plain_record() -> None:
     from mlxpipe.records import Settings
 
     reader = RecordReader(InputFormat(jsonl=True, openai=True), Settings())
-    (bad,) = reader.read("f", BytesIO(b'{"prompt": "hi"}\n'))
-    assert isinstance(bad, BadRecord) and "custom_id" in bad.error
+    lines = b'{"prompt": "hi"}\n{"custom_id": "a", "url": "/v1/completions"}\n'
+    plain, bodiless = reader.read("f", BytesIO(lines))
+    assert isinstance(plain, BadRecord) and "needs 'custom_id'" in plain.error and plain.id == 1
+    assert isinstance(bodiless, BadRecord) and "needs 'body'" in bodiless.error and bodiless.id == "a"
 
 
 def test_resume_file_of_openai_lines_is_read(tmp_path: Path) -> None:
@@ -239,3 +241,22 @@ def test_stats_summary_is_not_written_in_text_or_openai_output_or_the_resume_fil
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["event"] == "summary"
     assert [json.loads(line)["event"] for line in out.read_bytes().splitlines()] == ["done"]
+
+
+@pytest.mark.model
+def test_an_answer_cut_short_by_sigint_is_an_interrupted_error_line(tmp_path: Path) -> None:
+    counting = ", ".join(str(n) for n in range(1, 30)) + ","  # a raw prompt that goes on, no EOS soon
+    requests = [chat("short", "Say hi.", max_tokens=2), completion("long", counting, max_tokens=4000)]
+    p = start_cli(["--out", "openai", str(batch_file(tmp_path, requests))])
+    try:
+        assert p.stdout is not None
+        first = p.stdout.readline()  # the second record is under way now
+        p.send_signal(signal.SIGINT)
+        rest, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == -signal.SIGINT, stderr
+    lines = check_output(first + rest, requests)
+    assert lines[0]["response"] is not None
+    assert lines[1]["response"] is None and lines[1]["error"]["code"] == "interrupted"
