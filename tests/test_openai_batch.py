@@ -260,3 +260,11 @@ def test_an_answer_cut_short_by_sigint_is_an_interrupted_error_line(tmp_path: Pa
     lines = check_output(first + rest, requests)
     assert lines[0]["response"] is not None
     assert lines[1]["response"] is None and lines[1]["error"]["code"] == "interrupted"
+
+
+def test_openai_output_has_no_blank_lines_for_blank_records() -> None:
+    line = json.dumps(completion("a", "x")).encode()
+    for args, data in ([], b"\n\n" + line + b"\n\n"), (["-z", "--one-line"], b"\0" + line + b"\0\0"):
+        r = fake(["--out", "openai", *args], input=data)
+        assert r.returncode == 0, r.stderr
+        assert [json.loads(x)["custom_id"] for x in r.stdout.split(b"\n")[:-1]] == ["a"], r.stdout

@@ -342,7 +342,7 @@ def _noting_blanks(job: _Job, records: Iterator[Record | BadRecord]) -> Iterator
 
 
 def _renderer(args: argparse.Namespace, resume: ResumeFile | None, constraint: Constraint | None) -> Renderer:
-    jsonl_out = args.out_format == "jsonl"
+    jsonl_out = args.out_format != "text"  # JSONL events or OpenAI lines: no blank lines, no cut marks
     return Renderer(
         resume.out if resume is not None and resume.out is not None else raw_stdout(),
         jsonl=jsonl_out,
