@@ -422,6 +422,8 @@ class RecordReader:
     def _from_request(self, obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
         """An OpenAI Batch API request line → a record's fields (see :mod:`mlxpipe.batchapi`)."""
         fields, raw_prompt = batchapi.request_fields(obj)
+        if "prompt" in fields:  # where the rest of the reader looks for it
+            fields[self.fmt.prompt_key] = fields.pop("prompt")
         body = obj.get("body")
         if self.notice is not None and isinstance(body, dict) and "model" in body:
             self.notice(

@@ -268,3 +268,11 @@ def test_openai_output_has_no_blank_lines_for_blank_records() -> None:
         r = fake(["--out", "openai", *args], input=data)
         assert r.returncode == 0, r.stderr
         assert [json.loads(x)["custom_id"] for x in r.stdout.split(b"\n")[:-1]] == ["a"], r.stdout
+
+
+def test_prompt_key_does_not_hide_a_completion_requests_prompt() -> None:
+    r = fake(["--out", "openai", "--prompt-key", "text"], input=json.dumps(completion("a", "x")).encode())
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["response"]["body"]["choices"][0]["text"] == "echo: x"
+    r = fake(["--in", "openai", "--prompt-key", "text"], input=json.dumps(completion("a", "x")).encode())
+    assert r.stderr.decode().startswith("mlxpipe: warning: --prompt-key has no effect with --in openai")
