@@ -53,6 +53,19 @@ could not have continued it (llguidance's matcher is *stopped*): ``-12`` of a nu
 by the grammar but not complete. A constraint that admits no answer at all is a usage error before the
 model loads (or, for a record's own, that record's error line).
 
+``summary``  with ``--stats`` and ``--out jsonl``, the last line on stdout (after every record's; never in
+``--resume``'s FILE)::
+
+    {"event": "summary", "records": int, "failed": int, "prompt_tokens": int, "tokens": int,
+     "seconds": float, "tps": float, "decode_tps": float, "peak_memory": int (bytes), "batch": str}
+
+``records`` counts the final lines written (``failed`` of them errors), ``tokens`` the generated tokens,
+``seconds`` the wall time since the model was loaded; ``tps`` is ``tokens`` over ``seconds`` (prompts
+included: a job's throughput), ``decode_tps`` the rate a record decodes at (its tokens after the first over
+their time, as a ``done`` event's ``tps``) over all records, ``peak_memory`` the highest of the records'.
+``batch`` says how many records generated together (and why, when ``--batch auto`` chose). It is the
+``--stats`` line on stderr, which is written too, for machines.
+
 Every record of the input gets exactly one ``done`` or ``error`` line, in input order (``--unordered``
 keeps the one line, not the order). ``id`` is a string or an integer, and ``file`` and ``line`` name
 where an error's record came from (see :mod:`mlxpipe.reader` for what input is refused). Each line is written
@@ -70,7 +83,8 @@ from typing import Any, ClassVar, Protocol
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _dumps(obj: dict[str, Any]) -> str:
+def dumps(obj: dict[str, Any]) -> str:
+    """``obj`` as one compact line of UTF-8 JSON, as every event is written."""
     text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
     # A lone surrogate (a name's byte that was not UTF-8) cannot be encoded: write it as its JSON escape.
     # Outside strings JSON has no such character, so every match is inside one.
@@ -106,7 +120,7 @@ class Chunk:
         }
 
     def to_json(self) -> str:
-        return _dumps(self.to_dict())
+        return dumps(self.to_dict())
 
 
 @dataclass(frozen=True)
@@ -149,7 +163,7 @@ class Done:
         }
 
     def to_json(self) -> str:
-        return _dumps(self.to_dict())
+        return dumps(self.to_dict())
 
 
 class _Located(Protocol):
@@ -185,11 +199,44 @@ class Error:
         return {"event": self.kind, "id": self.id, "file": self.file, "line": self.line, "error": self.error}
 
     def to_json(self) -> str:
-        return _dumps(self.to_dict())
+        return dumps(self.to_dict())
 
     def message(self) -> str:
         """The one-line form for stderr, in the style of jq: ``mlxpipe: error (at FILE:LINE): …``."""
         return f"mlxpipe: error (at {self.file}:{self.line}): {self.error}"
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The run's totals (``--stats`` with JSONL output): not a record's event, the last line of the run."""
+
+    kind: ClassVar[str] = "summary"
+    records: int
+    failed: int
+    prompt_tokens: int
+    tokens: int
+    seconds: float
+    tps: float
+    decode_tps: float
+    peak_memory: int
+    batch: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "event": self.kind,
+            "records": self.records,
+            "failed": self.failed,
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tps": round(self.tps, 3),
+            "decode_tps": round(self.decode_tps, 3),
+            "peak_memory": self.peak_memory,
+            "batch": self.batch,
+        }
+
+    def to_json(self) -> str:
+        return dumps(self.to_dict())
 
 
 Event = Chunk | Done | Error

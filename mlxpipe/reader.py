@@ -36,10 +36,11 @@ import json
 import math
 import re
 import select
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import IO, TYPE_CHECKING, Any
 
+from . import batchapi
 from .records import BadRecord, Record, Settings, Template
 
 if TYPE_CHECKING:
@@ -262,6 +263,7 @@ class InputFormat:
     template: Template | None = None
     prompt_key: str = "prompt"
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    openai: bool = False  # every record is an OpenAI Batch API request (else one is known by its fields)
 
 
 class RecordReader:
@@ -275,6 +277,8 @@ class RecordReader:
         # so each is carried by the next record (:attr:`Record.blanks`); those left at the end are trailing.
         self.blanks = 0
         self._utf16_input: str | None = None  # the input found to be UTF-16
+        # Told once that a Batch API request's 'model' is ignored (the CLI sets it to write on stderr).
+        self.notice: Callable[[str], None] | None = None
 
     def read(self, name: str, stream: IO[bytes]) -> Iterator[Record | BadRecord]:
         """Yield one :class:`Record` or :class:`BadRecord` per non-blank record of ``stream``.
@@ -374,6 +378,14 @@ class RecordReader:
             return BadRecord(
                 index, name, line, index, f"a record must be a JSON object or string, not {_json_type(obj)}"
             )
+        raw_prompt = False
+        if self.fmt.openai or batchapi.is_request(obj_fields):
+            try:
+                obj_fields, raw_prompt = self._from_request(obj_fields)
+            except ValueError as exc:
+                rid = obj_fields.get("custom_id", index)
+                rid = rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else index
+                return BadRecord(index, name, line, rid, str(exc))
         rid = obj_fields.get("id", index)
         if not isinstance(rid, (str, int)) or isinstance(rid, bool):
             return BadRecord(
@@ -381,6 +393,8 @@ class RecordReader:
             )
         try:
             settings = settings_from_object(obj_fields, self.settings)
+            if raw_prompt:
+                settings = replace(settings, raw=True)
             if self.fmt.template is not None:
                 try:
                     rendered = self.fmt.template.render(obj_fields)
@@ -404,6 +418,20 @@ class RecordReader:
             return Record(index, name, line, rid, obj, settings, prompt=prompt)
         except ValueError as exc:
             return BadRecord(index, name, line, rid, str(exc))
+
+    def _from_request(self, obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        """An OpenAI Batch API request line → a record's fields (see :mod:`mlxpipe.batchapi`)."""
+        fields, raw_prompt = batchapi.request_fields(obj)
+        if "prompt" in fields:  # where the rest of the reader looks for it
+            fields[self.fmt.prompt_key] = fields.pop("prompt")
+        body = obj.get("body")
+        if self.notice is not None and isinstance(body, dict) and "model" in body:
+            self.notice(
+                f"mlxpipe: note: the requests' 'model' ({batchapi.short(body['model'])}) is ignored: "
+                "they are answered by the model loaded"
+            )
+            self.notice = None
+        return fields, raw_prompt
 
 
 def _utf16(raw: bytes) -> bool:

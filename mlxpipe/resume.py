@@ -7,15 +7,16 @@ final lines appended to FILE. So after any number of interruptions, rerunning th
 it exits 0 leaves FILE with exactly one ``done`` line per record. A record's latest line is its
 result (an error line may be followed by a done line for the same ``id`` when a retry succeeds).
 
-Each line is written with one ``write`` and is never buffered, so a kill can leave at most the last
-line torn; such a line (no final newline) is cut off here before anything is appended, but only when it
-is recognisably the start of an mlxpipe event (``{"event":"`` or a prefix of it). A file that is not
+Each line is written with one ``write`` and is never buffered, so a kill can leave at most the last line
+torn; such a line (no final newline) is cut off here before anything is appended, but only when it is
+recognisably the start of an mlxpipe event (``{"event":"`` or a prefix of it) or of an OpenAI Batch API
+output line (``--out openai``; there a record is done when its line has a ``response``). A file that is not
 mlxpipe output (a whole line that is not a JSON event object, or a torn tail that is not the start of one)
 is refused, never appended to or cut. So is a FILE that is not a regular file (a FIFO, a device, a socket:
 they would hang, swallow the output or never end) and a FILE that is also one of the inputs (the run would
-read its own output). A line that cannot be written whole (a full disk, a file size limit) is cut back
-off, so FILE still ends in a whole line. The file is locked while in use (where the platform has
-``fcntl``), so two runs cannot interleave.
+read its own output). A line that cannot be written whole (a full disk, a file size limit) is cut back off,
+so FILE still ends in a whole line. The file is locked while in use (where the platform has ``fcntl``), so
+two runs cannot interleave.
 Records without an ``id`` field are known by their record number, so the input must not change
 between runs. A record whose id an earlier record already has is an error line
 (:func:`mlxpipe.reader.unique_ids`), which is never skipped, so no record is taken as done for another's.
@@ -133,6 +134,7 @@ def _check_kind(fd: int, path: str, inputs: Iterable[str]) -> None:
 
 # What a torn last line may be: the start of a line mlxpipe writes (compact JSON, "event" first).
 _EVENT_START = b'{"event":"'
+_STARTS = (_EVENT_START, b'{"id":"batch_req_')  # and of an OpenAI Batch API output line (--out openai)
 
 
 def _scan(path: str) -> tuple[set[str], int, int]:
@@ -143,7 +145,7 @@ def _scan(path: str) -> tuple[set[str], int, int]:
         for number, line in enumerate(f, 1):
             if not line.endswith(b"\n"):
                 # torn: the kill came in the middle of writing it. Cut only what is surely ours.
-                if not (line.startswith(_EVENT_START) or _EVENT_START.startswith(line)):
+                if not any(line.startswith(start) or start.startswith(line) for start in _STARTS):
                     raise UsageError(
                         f"--resume file {path}:{number} is not mlxpipe JSONL output (its last line is not "
                         "an mlxpipe event cut short); refusing to cut or append to it"
@@ -156,7 +158,11 @@ def _scan(path: str) -> tuple[set[str], int, int]:
                 event = json.loads(line)
             except ValueError:
                 event = None
-            if not isinstance(event, dict) or event.get("event") not in ("chunk", "done", "error"):
+            if isinstance(event, dict) and "custom_id" in event and "response" in event:  # --out openai
+                if event["response"] is not None:
+                    done.add(record_key(event["custom_id"]))
+                continue
+            if not isinstance(event, dict) or event.get("event") not in ("chunk", "done", "error", "summary"):
                 raise UsageError(
                     f"--resume file {path}:{number} is not mlxpipe JSONL output; refusing to append to it"
                 )

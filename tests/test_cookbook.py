@@ -44,6 +44,20 @@ FILES: dict[str, dict[str, str]] = {
     "while-read": {"questions.txt": QUESTIONS},
     "csv-template": {"products.csv": "mug,red\nlamp,green\n"},
     "choices": {"reviews.txt": "".join(f"{r['review']}\n" for r in REVIEWS)},
+    "openai-batch": {
+        "batch.jsonl": "".join(
+            json.dumps(
+                {
+                    "custom_id": f"task-{n}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": q}]},
+                }
+            )
+            + "\n"
+            for n, q in enumerate(QUESTIONS.splitlines())
+        )
+    },
 }
 
 
@@ -108,6 +122,14 @@ def check_choices(d: Path, out: str) -> None:
     assert len(labels) == len(REVIEWS) and set(labels) <= {"positive", "negative"}
 
 
+def check_openai_batch(d: Path, out: str) -> None:
+    rows = [line.split("\t") for line in out.splitlines()]
+    assert [r[0] for r in rows] == ["task-0", "task-1"]
+    assert "Paris" in rows[0][1]
+    results = [json.loads(line) for line in (d / "results.jsonl").read_text().splitlines()]
+    assert all(r["error"] is None and r["response"]["status_code"] == 200 for r in results)
+
+
 CHECKS: dict[str, Callable[[Path, str], None]] = {
     "annotate": check_annotate,
     "jq-events": check_jq_events,
@@ -118,6 +140,7 @@ CHECKS: dict[str, Callable[[Path, str], None]] = {
     "while-read": check_while_read,
     "csv-template": check_csv_template,
     "choices": check_choices,
+    "openai-batch": check_openai_batch,
 }
 
 

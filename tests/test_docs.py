@@ -85,7 +85,7 @@ def test_man_page_has_every_section_and_option_group() -> None:
 def test_man_page_output_format_names_every_event_and_field() -> None:
     section = between(MAN.read_text(), '.SH "OUTPUT FORMAT"', ".SH ")
     named = set(re.findall(r"^\.BR? (\w+)", section, re.M))
-    for cls in (events.Chunk, events.Done, events.Error):
+    for cls in (events.Chunk, events.Done, events.Error, events.Summary):
         # Any value will do to learn the wire names: to_dict only copies (and rounds) the fields.
         sample = cls(**{f.name: 0 for f in dataclasses.fields(cls) if f.init})
         wire = set(sample.to_dict()) - {"event"}

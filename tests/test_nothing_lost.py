@@ -239,7 +239,7 @@ def test_resume_needs_jsonl_output_and_a_free_file(tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     r = subprocess.run([*FAKECLI, "--resume", str(out)], input=b"a\n", capture_output=True, env=cli_env())
     assert r.returncode == 2
-    assert r.stderr == b"mlxpipe: error: --resume needs JSONL output (--out jsonl or --jsonl)\n"
+    assert r.stderr == b"mlxpipe: error: --resume needs JSONL output (--out jsonl, --jsonl or --out openai)\n"
     holder = subprocess.Popen(
         [*FAKECLI, "--jsonl", "--resume", str(out)], stdin=subprocess.PIPE, env=cli_env(), cwd=REPO
     )

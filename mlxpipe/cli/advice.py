@@ -24,11 +24,13 @@ def advice(args: argparse.Namespace, interactive: bool) -> list[str]:
             "for each answer to end"
         )
     if args.one_line and not text_out:
-        no_effect("--one-line", "with --out jsonl")
+        no_effect("--one-line", f"with --out {args.out_format}")
     if args.unordered and args.batch == 1:
         no_effect("--unordered", "without --batch")
-    if args.prompt_key != "prompt" and args.in_format != "jsonl":
+    if args.prompt_key != "prompt" and args.in_format == "lines":
         no_effect("--prompt-key", "in lines mode (it names a field of --in jsonl records)")
+    if args.prompt_key != "prompt" and args.in_format == "openai":
+        no_effect("--prompt-key", "with --in openai (a request's prompt is its body.prompt)")
     if interactive and args.batch > 1:
         no_effect("--batch", "in interactive mode (one line is answered at a time)")
     if args.chat is False and not interactive:

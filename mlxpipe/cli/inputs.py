@@ -214,8 +214,8 @@ def check_prompts(args: argparse.Namespace) -> None:
     """-p and --slurp: what goes together (see their help)."""
     prompts: list[str] = args.prompt or []
     if args.slurp:
-        if args.in_format == "jsonl":
-            raise UsageError("--slurp reads text: it cannot be used with --in jsonl")
+        if args.in_format != "lines":
+            raise UsageError(f"--slurp reads text: it cannot be used with --in {args.in_format}")
         if len(prompts) > 1:
             raise UsageError("--slurp takes one -p: the instruction put before the document")
         if prompts and (args.template is not None or args.template_file is not None):

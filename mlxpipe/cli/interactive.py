@@ -70,8 +70,10 @@ def chat_wanted(args: argparse.Namespace, interactive: bool) -> bool:
         return False
     if args.raw:
         raise UsageError("--chat needs the model's chat template: it cannot be used with --raw")
-    if args.in_format == "jsonl":
-        raise UsageError("--chat reads lines, each the next user turn: it cannot be used with --in jsonl")
+    if args.in_format != "lines":
+        raise UsageError(
+            f"--chat reads lines, each the next user turn: it cannot be used with --in {args.in_format}"
+        )
     if args.batch > 1 and not interactive:
         raise UsageError("--chat answers one turn after another: it cannot be used with --batch")
     if args.resume is not None:

@@ -65,17 +65,19 @@ def _main(argv: list[str] | None, console: Console) -> int:
         args.batch = 1
     if args.jsonl:  # with --slurp the input is text whatever the format: --jsonl then means the output
         args.in_format, args.out_format = "lines" if args.slurp else "jsonl", "jsonl"
+    if args.out_format == "openai" and args.in_format == "lines" and not args.slurp:
+        args.in_format = "jsonl"  # a batch file's requests are known by their fields
     try:
         inputs.check_prompts(args)
         args.interactive = interactive.wanted(args)
         args.conversation = interactive.chat_wanted(args, args.interactive)
-        if args.unordered and args.out_format != "jsonl":
+        if args.unordered and args.out_format == "text":
             raise UsageError("--unordered needs JSONL output (--out jsonl): text lines carry no id")
         inputs.check(args)
         template = inputs.template(args)
         constraint = inputs.constraint(args)
-        if args.resume is not None and args.out_format != "jsonl":
-            raise UsageError("--resume needs JSONL output (--out jsonl or --jsonl)")
+        if args.resume is not None and args.out_format == "text":
+            raise UsageError("--resume needs JSONL output (--out jsonl, --jsonl or --out openai)")
     except UsageError as exc:
         console.say(f"mlxpipe: error: {exc}")
         return EXIT_USAGE
@@ -98,13 +100,15 @@ def _main(argv: list[str] | None, console: Console) -> int:
     if isinstance(started, int):
         return started
     fmt = InputFormat(
-        jsonl=args.in_format == "jsonl",
+        jsonl=args.in_format in ("jsonl", "openai"),
+        openai=args.in_format == "openai",
         null=args.null,
         template=template,
         prompt_key=args.prompt_key,
         max_line_bytes=args.max_line_bytes,
     )
     reader = RecordReader(fmt, inputs.settings(args, constraint))
+    reader.notice = console.say
     return _run(args, console, ranks, reader, started.resume, constraint)
 
 
@@ -263,9 +267,7 @@ def _run(
             except OutputError as exc:
                 console.say(f"mlxpipe: error: {exc}")
                 return EXIT_OUTPUT
-            if args.stats:
-                console.say(job.stats.line(0.0))
-            return EXIT_OK
+            return _stats(job, 0.0) or EXIT_OK
         records = itertools.chain([first], records)
     try:
         engine = _load(args, console, ranks)
@@ -289,11 +291,30 @@ def _run(
         if ranks.rank:  # rank 0 carries the job's status, a stop included
             return _helper_rank_done()
         console.close()
-        if args.stats:
-            console.say(job.stats.line(time.perf_counter() - started))
+        failed = _stats(job, time.perf_counter() - started)
+        if failed:
+            return failed
     except KeyboardInterrupt:
         pass
     return _status(job)
+
+
+def _stats(job: _Job, seconds: float) -> int | None:
+    """--stats: the summary line on stderr and, with JSONL output, the ``summary`` event last on stdout
+    (never in --resume's FILE); an exit status when stdout fails."""
+    if not job.args.stats:
+        return None
+    job.console.say(job.stats.line(seconds))
+    if job.args.out_format != "jsonl":
+        return None
+    try:
+        write_all(raw_stdout(), job.stats.summary(seconds).to_json().encode() + b"\n")
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    except OSError as exc:
+        job.console.say(f"mlxpipe: error: {OutputError('stdout', exc)}")
+        return EXIT_OUTPUT
+    return None
 
 
 def _records(job: _Job, reader: RecordReader, resume: ResumeFile | None) -> Iterator[Record | BadRecord]:
@@ -303,7 +324,7 @@ def _records(job: _Job, reader: RecordReader, resume: ResumeFile | None) -> Iter
     records = inputs.records(
         args.files, reader, private_stdin=args.batch > 1, prompts=args.prompt, slurp=args.slurp
     )
-    if args.out_format == "jsonl":  # where ids are written: a record is never mistaken for another
+    if args.out_format != "text":  # where ids are written: a record is never mistaken for another
         records = unique_ids(records)
     if job.conversation is not None:
         records = job.conversation.turns(records)
@@ -321,7 +342,7 @@ def _noting_blanks(job: _Job, records: Iterator[Record | BadRecord]) -> Iterator
 
 
 def _renderer(args: argparse.Namespace, resume: ResumeFile | None, constraint: Constraint | None) -> Renderer:
-    jsonl_out = args.out_format == "jsonl"
+    jsonl_out = args.out_format != "text"  # JSONL events or OpenAI lines: no blank lines, no cut marks
     return Renderer(
         resume.out if resume is not None and resume.out is not None else raw_stdout(),
         jsonl=jsonl_out,
@@ -330,7 +351,13 @@ def _renderer(args: argparse.Namespace, resume: ResumeFile | None, constraint: C
         one_line=args.one_line,
         null=args.null,
         name="stdout" if resume is None else f"--resume file {args.resume}",
+        openai_model=_model_name(args) if args.out_format == "openai" else None,
     )
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    """The model named in OpenAI output lines: as given, else the embedded one."""
+    return str(args.model or os.environ.get("MLXPIPE_MODEL") or "SmolLM2-135M-Instruct")
 
 
 def _interactive(job: _Job, engine: Engine, reader: RecordReader, renderer: Renderer) -> int:

@@ -136,9 +136,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--in",),
         "input",
-        "Input format: one prompt per line, or JSONL objects (default: lines).",
+        "Input format: one prompt per line, JSONL objects, or OpenAI Batch API requests (default: lines; "
+        "jsonl with --out openai).",
         metavar="FORMAT",
-        choices=("lines", "jsonl"),
+        choices=("lines", "jsonl", "openai"),
         default="lines",
         dest="in_format",
     ),
@@ -310,9 +311,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--out",),
         "output",
-        "Output format: the streamed text, or JSONL events (default: text).",
+        "Output format: the streamed text, JSONL events, or OpenAI Batch API output lines (default: text).",
         metavar="FORMAT",
-        choices=("text", "jsonl"),
+        choices=("text", "jsonl", "openai"),
         default="text",
         dest="out_format",
     ),
@@ -357,7 +358,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--stats",),
         "output",
-        "Print a summary line on stderr at the end.",
+        "Print a summary line on stderr at the end (with --out jsonl also a summary event, last on stdout).",
         action="store_true",
         man="It gives two rates: the generated tokens over the wall time since the model was loaded "
         "(prompts included; what a job's throughput is), and the rate a record decodes at (its tokens "

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
-from ..events import Chunk, Done, Error, Event
+from .. import batchapi
+from ..events import Chunk, Done, Error, Event, Summary, dumps
 from .streams import OutputError, write_all
 
 __all__ = ["Renderer", "Stats"]
@@ -38,12 +39,29 @@ class Stats:
             self.records += 1
             self.failed += 1
 
-    def line(self, seconds: float) -> str:
-        """The summary, with two rates (they differ most under --batch): generated tokens over the wall time
-        since the model was loaded (prompts included), and the rate a record decodes at (its tokens after
-        the first over their time, as a done event's ``tps``), over all records."""
+    def summary(self, seconds: float) -> Summary:
+        """The totals as the ``summary`` event, with two rates (they differ most under --batch): generated
+        tokens over the wall time since the model was loaded (prompts included), and the rate a record
+        decodes at (its tokens after the first over their time, as a done event's ``tps``), over all
+        records."""
         tps = self.tokens / seconds if seconds > 0 else 0.0
         decode = self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        return Summary(
+            self.records,
+            self.failed,
+            self.prompt_tokens,
+            self.tokens,
+            seconds,
+            tps,
+            decode,
+            self.peak_memory,
+            self.batch,
+        )
+
+    def line(self, seconds: float) -> str:
+        """The summary line for stderr (see :meth:`summary`)."""
+        summary = self.summary(seconds)
+        tps, decode = summary.tps, summary.decode_tps
         return (
             f"mlxpipe: {self.records} {_plural(self.records, 'record')}, {self.failed} failed, "
             f"{self.prompt_tokens} prompt tokens, {self.tokens} generated tokens, "
@@ -75,8 +93,10 @@ class Renderer:
         one_line: bool,
         null: bool,
         name: str = "stdout",
+        openai_model: str | None = None,
     ) -> None:
         self.out = out
+        self.openai_model = openai_model  # OpenAI Batch API output lines, naming this model
         self.name = name
         self.jsonl = jsonl
         self.stream = stream
@@ -84,7 +104,10 @@ class Renderer:
         self.end = b"\0" if null else b"\n"
 
     def write(self, event: Event) -> None:
-        if self.jsonl:
+        if self.openai_model is not None:
+            if not isinstance(event, Chunk):
+                self._emit(dumps(self._openai(event)).encode() + b"\n")
+        elif self.jsonl:
             if self.stream or not isinstance(event, Chunk):
                 self._emit(event.to_json().encode() + b"\n")
         elif isinstance(event, Chunk):
@@ -94,6 +117,17 @@ class Renderer:
             self._emit((b"" if self.stream else self._text(event.text).encode()) + self.end)
         else:  # a failed record still gets its (empty) line, so output line N answers input line N
             self._emit(self.end)
+
+    def _openai(self, event: Done | Error) -> dict[str, Any]:
+        """A final event as a Batch API output line; an interrupted answer is an error (it is not whole)."""
+        assert self.openai_model is not None
+        if isinstance(event, Error):
+            message = f"{event.error} (at {event.file}:{event.line})"
+            return batchapi.error_line(event.id, "mlxpipe_error", message, event.index)
+        if event.finish_reason == "interrupted":
+            message = "interrupted: SIGINT, SIGTERM or SIGHUP ended the answer early"
+            return batchapi.error_line(event.id, "interrupted", message, event.index)
+        return batchapi.response_line(event, self.openai_model, event.index)
 
     @property
     def aligned(self) -> bool:
