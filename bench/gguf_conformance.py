@@ -42,7 +42,7 @@ PROMPTS = [
 ]
 # A prompt longer than the factory's sliding window (64 positions: gemma2, gemma3): attention past the window.
 PROMPTS.append(" ".join(["Each lighthouse keeper wrote the weather, the ships and the lamp's hours."] * 6))
-TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K"]
+TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16"]
 STEPS = 16
 SCALE = (
     1.3  # larger makes the random network chaotic: llama.cpp's quantized activations then flip greedy picks
