@@ -60,7 +60,8 @@ def test_prompt_is_its_own_option_not_an_abbreviation_of_prompt_key() -> None:
 def test_help_shows_the_allowed_values_and_interactive_mode() -> None:
     r = run_cli(["--help"])
     text = " ".join(r.stdout.decode().split())  # argparse wraps lines
-    assert "FORMAT is one of: lines, jsonl." in text and "FORMAT is one of: text, jsonl." in text
+    assert "FORMAT is one of: lines, jsonl, openai." in text
+    assert "FORMAT is one of: text, jsonl, openai." in text
     assert "TYPE is one of: auto, float32, float16, bfloat16, quantized." in text
     assert "With stdin and stderr on a terminal and no FILE or -p, mlxpipe is interactive" in text
 
