@@ -4,8 +4,9 @@
 gemv.c's kernels for a matrix registered there (:class:`Matrix`): the model keeps its quantized weights as
 the only copy, and mlx's graph sees the product like any other operation (lazy, ``async_eval``). It is
 compiled once into the cache with the system's C++ compiler against the installed mlx wheel (its headers and
-``libmlx``) and nanobind, which must be the nanobind of that mlx (pinned in the ``cpu`` extra). Without a
-compiler, nanobind or gemv.c's kernels :func:`available` is False, and the engine dequantizes as before.
+``libmlx``) and nanobind (the ``cpu`` extra's), which must share that mlx's nanobind ABI: a mismatch is
+caught before use. Without a compiler, a matching nanobind or gemv.c's kernels :func:`available` is False,
+and the engine dequantizes as before (and says so once).
 ``MLXPIPE_KERNELS=off`` turns it off.
 """
 
@@ -211,8 +212,16 @@ def _release(keys: list[int], settle: Callable[[], None], mapped: list[object]) 
 
 
 def _check(module: Any) -> None:
-    """Raise TypeError when the module does not take mlx's arrays (a nanobind of another ABI than mlx's)."""
-    module.product(mx.zeros((1, 1)), 0, 0, 0, 0, [])
+    """Raise ImportError when the module does not take mlx's arrays (a nanobind of another ABI than mlx's)."""
+    try:
+        module.product(mx.zeros((1, 1)), 0, 0, 0, 0, [])
+    except TypeError:
+        import nanobind
+
+        raise ImportError(
+            f"nanobind {nanobind.__version__} does not match mlx {getattr(mx, '__version__', '')}'s: "
+            "install the nanobind that mlx was built with"
+        ) from None
 
 
 def _imported(path: str) -> Any:
