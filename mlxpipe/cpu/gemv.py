@@ -269,9 +269,7 @@ def register(q: Any, scales: Any, biases: Any, bits: int, group_size: int) -> tu
         return None
     (qp, qh), (sp, sh), (bp, bh) = _view(q, None), _view(scales, "f"), _view(biases, "f")
     n, k = int(q.shape[0]), int(q.shape[1]) * 32 // bits
-    global _keys
-    _keys += 1
-    key = _keys << 6  # its own: an address freed and taken again by another array must not name it
+    key = _new_key()
     p = ctypes.c_void_p
     _shim.mlxpipe_qmatrix.restype = p
     handle = _shim.mlxpipe_qmatrix(p(key), n, k, bits, group_size, p(qp), p(sp), p(bp))
@@ -284,6 +282,19 @@ def register(q: Any, scales: Any, biases: Any, bits: int, group_size: int) -> tu
 _keys = 0  # keys given to registered matrices (multiples of 64 below any real array's address)
 
 
+def _new_key() -> int:
+    """A registered matrix's own key: an address freed and taken again by another array must not name it."""
+    global _keys
+    _keys += 1
+    return _keys << 6
+
+
+def _let_go(key: int) -> None:
+    """Drop what keeps the arrays of the matrix registered under ``key`` alive."""
+    for held in [h for h in _held if h[0] == key]:
+        _held.pop(held, None)
+
+
 def pack(handle: int, key: int, only: bool) -> bool:
     """Make the packed copy of a :func:`register`-ed matrix (``handle``, ``key``) now, for the integer
     products; with ``only`` the library then forgets its source arrays and lets them go (its products read
@@ -291,8 +302,7 @@ def pack(handle: int, key: int, only: bool) -> bool:
     if _shim is None or not _shim.mlxpipe_qmatrix_pack(ctypes.c_void_p(handle), int(only)):
         return False
     if only:
-        for held in [h for h in _held if h[0] == key]:
-            _held.pop(held, None)
+        _let_go(key)
     return True
 
 
@@ -315,9 +325,7 @@ def adopt(
     and key; None where the integer products do not run or the size is not this matrix's."""
     if _shim is None:
         return None
-    global _keys
-    _keys += 1
-    key = _keys << 6
+    key = _new_key()
     p = ctypes.c_void_p
     _shim.mlxpipe_qmatrix_adopt.restype = p
     handle = _shim.mlxpipe_qmatrix_adopt(
@@ -335,8 +343,7 @@ def unregister(keys: list[int], settle: Callable[[], None] = lambda: None) -> No
     settle()
     _shim.mlxpipe_qgemv_release()
     for key in keys:
-        for held in [h for h in _held if h[0] == key]:
-            _held.pop(held, None)
+        _let_go(key)
 
 
 def product_address() -> int:
