@@ -33,7 +33,18 @@ from ..paths import cache_dir
 from ..switches import setting, turned_off
 from . import gemv
 
-__all__ = ["ENV", "Matrix", "PackedFile", "Part", "available", "layout", "load", "product", "release_with"]
+__all__ = [
+    "ENV",
+    "Matrix",
+    "PackedFile",
+    "Part",
+    "available",
+    "build_fix",
+    "layout",
+    "load",
+    "product",
+    "release_with",
+]
 
 ENV = "MLXPIPE_KERNELS"
 SWIGLU = 1  # gemv.c's PRODUCT_SWIGLU: the product's two halves become silu(gate) * up
@@ -41,11 +52,12 @@ _SOURCE = Path(__file__).with_name("kernels.cpp")
 _NAME = "_mlxpipe_kernels"
 _module: Any = None
 _state: str | None = None  # what load() found, once it has run
+_fix = ""  # what to do about a module load() could not build or import
 
 
 def load() -> str:
     """Build (once) and import the operation; what happened, for ``--model-info``. Never raises."""
-    global _module, _state
+    global _module, _state, _fix
     if _state is not None:
         return _state
     if turned_off(ENV):
@@ -54,13 +66,21 @@ def load() -> str:
         _state = "not used: gemv.c's quantized kernels do not run here"
     else:
         try:
-            _module = _imported(_built())
-            _check(_module)
-            _state = "quantized products by mlxpipe's kernels"
-        except (OSError, ImportError, subprocess.SubprocessError, RuntimeError, TypeError, ValueError) as exc:
-            _module = None
+            module = _imported(_built())
+            _check(module)
+            _module, _state = module, "quantized products by mlxpipe's kernels"
+        except cachefiles.BuildError as exc:  # cause and fix apart, as gemv.install keeps them
+            _state, _fix = f"not built: {exc.cause}", exc.fix
+        except ImportError as exc:  # no nanobind, or one of another ABI than mlx's
+            _state, _fix = f"not built: {first_line(exc)}", "pip install 'mlxpipe[cpu]' (its nanobind)"
+        except (OSError, subprocess.SubprocessError, RuntimeError, TypeError, ValueError) as exc:
             _state = f"not built: {first_line(exc)}"
     return _state
+
+
+def build_fix() -> str:
+    """The fix for the failure :func:`load` reported ("not built: ..."), where it knows one."""
+    return _fix
 
 
 def layout() -> str:
@@ -257,7 +277,9 @@ def _built() -> str:
         return str(target)
     compiler = cachefiles.find_compiler("CXX", ("c++", "g++"))
     if compiler is None:
-        raise OSError("no C++ compiler (c++) found")
+        raise cachefiles.BuildError(
+            "no C++ compiler (c++) found", "install a C++ compiler (Debian/Ubuntu: apt-get install g++)"
+        )
     cxx = compiler
     nb = Path(nanobind.source_dir()).parent
     lib = mlx_dir / "lib"

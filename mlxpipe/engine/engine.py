@@ -207,13 +207,7 @@ class Engine:
         built = kernels.load()
         if self.dequantized and self.dtype_reason.startswith("auto") and built.startswith("not built: "):
             cause = built.removeprefix("not built: ")
-            fix = (
-                "install a C++ compiler (Debian/Ubuntu: apt-get install g++)"
-                if cause.startswith("no C++ compiler")
-                else "pip install 'mlxpipe[cpu]' (nanobind)"
-                if "nanobind" in cause
-                else "it is tried again once the compiler or mlxpipe changes"
-            )
+            fix = kernels.build_fix() or "it is tried again once the compiler or mlxpipe changes"
             lines.append(
                 f"the quantized weights are computed from float32 copies, 4x their memory: {cause}; {fix}"
             )
