@@ -29,6 +29,7 @@ def test_float32_greedy_answer_matches_the_quantized_one() -> None:
     assert f32["finish_reason"] == q["finish_reason"] == "stop"
 
 
+@pytest.mark.cpu_paths
 def test_auto_on_cpu_keeps_the_quantized_weights_where_the_kernels_run(
     engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

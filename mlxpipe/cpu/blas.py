@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import first_line
-from ..switches import OFF, setting
+from ..switches import setting, turned_off_by
 from . import gemv
 
 __all__ = ["ENV", "BlasChoice", "choose", "setup", "slow_paths", "threads", "use_threads"]
@@ -120,8 +120,8 @@ def choose() -> BlasChoice:
     if _platform() != "linux":
         return BlasChoice(None, "mlx", f"not Linux ({_platform()}): mlx's own BLAS")
     reference = _reference_blas()
-    if value.lower() in OFF:
-        return BlasChoice(None, "mlx", f"turned off by {ENV}={value}", reference=reference is not None)
+    if off := turned_off_by(ENV):
+        return BlasChoice(None, "mlx", f"turned off by {off}", reference=reference is not None)
     if _mlx_imported():
         reason = "mlx was imported before mlxpipe could load a BLAS"
         return BlasChoice(None, "mlx", reason, reference=reference is not None)

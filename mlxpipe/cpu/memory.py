@@ -13,7 +13,7 @@ import ctypes
 import functools
 import sys
 
-from ..switches import turned_off
+from ..switches import turned_off_by
 
 ENV = "MLXPIPE_MALLOC"
 # mallopt's parameters (malloc.h)
@@ -26,8 +26,8 @@ def keep_freed_memory() -> str:
     """Set glibc's malloc to reuse freed buffers (once a process); what was done, for ``--model-info``."""
     if not sys.platform.startswith("linux"):
         return "not Linux: the platform's malloc"
-    if turned_off(ENV):
-        return f"turned off by {ENV}: glibc's defaults"
+    if off := turned_off_by(ENV):
+        return f"turned off by {off}: glibc's defaults"
     try:
         mallopt = ctypes.CDLL(None).mallopt  # glibc's; other C libraries (musl) have none
     except (AttributeError, OSError):
