@@ -19,7 +19,7 @@ attention's q, k and v projections (or an MLP's gate and up), one product by the
 (``fused``: the same sums, a quarter fewer products and operations a step). :func:`argmax` is a greedy
 step's pick over the vocabulary, by gemv.c (the engine's, on a CPU).
 Used by :mod:`mlxpipe.engine` only, and only on a CPU: on Metal and CUDA ``mx.fast`` has real kernels.
-``MLXPIPE_CPU_FAST=off`` turns it off. Measurements: bench/RESULTS.md (issue 7).
+``MLXPIPE_CPU_FAST=off`` turns it off. Measurements: bench/RESULTS.md (the CPU paths, one at a time).
 """
 
 from __future__ import annotations
