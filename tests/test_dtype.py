@@ -63,7 +63,7 @@ def test_auto_on_cpu_is_float32_without_the_kernels_unless_memory_is_short(
 
 
 def test_auto_on_cpu_is_float32_with_reference_blas(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Measured (bench/RESULTS.md): float32 beat mlx's quantized CPU kernels even without OpenBLAS.
+    # Measured (bench/RESULTS.md, r-f32-vs-q): float32 beat mlx's quantized CPU kernels even without OpenBLAS.
     from mlxpipe.cpu import kernels
     from mlxpipe.engine import dtype as engine_module
 

@@ -28,7 +28,8 @@ In front of a BLAS it loads, :mod:`mlxpipe.cpu.gemv` puts a ``cblas_sgemm`` that
 
 When a fast path is missing for a reason the user can fix (no BLAS would load, the kernels could not be
 built), :func:`slow_paths` says so in one line each, with the loader's or compiler's own message and the fix;
-the command line prints them once when a run starts.
+the command line prints them once when a run starts. :func:`use_threads` sets OpenBLAS's threads per run:
+one for a single stream, the library's own count for a batch.
 """
 
 from __future__ import annotations

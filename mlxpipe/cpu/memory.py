@@ -3,7 +3,7 @@
 mlx's CPU allocator takes every array from ``malloc`` and hands it back when the array dies, and glibc maps
 buffers past its threshold (128 KiB, raised as it goes up to 32 MiB) fresh from the kernel each time: every
 step's new arrays then fault their pages in again, each zeroed by the kernel (an eighth of a batched
-prompt's CPU time; bench/RESULTS.md, issue 19). With the threshold fixed at 32 MiB and the heap trimmed only
+prompt's CPU time; bench/RESULTS.md). With the threshold fixed at 32 MiB and the heap trimmed only
 past 1 GiB, a freed buffer is reused as it is. ``MLXPIPE_MALLOC=off`` leaves glibc's defaults.
 """
 
