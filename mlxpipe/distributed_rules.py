@@ -290,7 +290,8 @@ class Rules:
                     continue
                 self.held += 1
                 self.mine_at[record.index] = position
-                self.handed.append(record)
+                if not self.stopping:  # stopped since its frame: the record is never started
+                    self.handed.append(record)
 
     def _read(self, n: int) -> None:
         for _ in range(n):
