@@ -305,9 +305,7 @@ class _Job:
         self.busy_seconds = 0.0
         self.threaded = ranks.threaded  # over the TCP link: the exchange thread ticks
         self.lock = threading.Condition(threading.RLock())
-        self.exchange: threading.Thread | None = None
-        self.begun = False  # the first tick is over
-        self.quitting: str | None = None  # the reason this rank leaves, for the exchange's last tick
+        self.exchange: _Exchange | None = None
 
     # -- hooks for the pipeline
 
@@ -316,14 +314,11 @@ class _Job:
         if self.threaded:
             # The input is read on the exchange thread from the start (a read marked as on the main thread
             # would let a signal raise in the middle of a token).
-            self.exchange = threading.Thread(target=self._exchange, name="mlxpipe-exchange", daemon=True)
+            self.exchange = _Exchange(self)
             self.exchange.start()
-            with self.lock:
-                while not self.begun and self.rules.error is None:
-                    self.lock.wait()
         else:
             self.rules.read_ahead()
-            self._deliver()
+            self.deliver()
             self.tick()
         if self.rules.error is not None:
             raise self.rules.error
@@ -406,59 +401,17 @@ class _Job:
         exc = sys.exc_info()[1]
         reason = "closed" if exc is None or isinstance(exc, GeneratorExit) else str(exc) or type(exc).__name__
         if self.exchange is not None:
-            with self.lock:
-                if not self.rules.ended:
-                    self.quitting = reason
-                    self.lock.notify_all()
-            # The exchange's last tick tells the others; a rank that hangs is the launcher's to end.
-            self.exchange.join(timeout=60)
+            self.exchange.quit(reason)
             return
-        if self.rules.ended:
-            return
+        if not self.rules.ended:
+            self.leave(reason)
+
+    def leave(self, reason: str) -> None:
+        """The last tick: tell the others that this rank leaves the job (whatever fails, it goes)."""
         with contextlib.suppress(Exception):
             self._tick(quit=reason)
 
     # -- the ticks
-
-    def _exchange(self) -> None:
-        """The exchange thread: a tick every ``EXCHANGE_SECONDS`` until the job ends or this rank quits."""
-        try:
-            self._exchanges()
-        except BaseException as exc:  # not raised by a tick: a bug, or the interpreter going away
-            with self.lock:
-                self.rules.fail(
-                    self.rules.error or RankLost(f"the exchange with the other ranks failed: {exc!r}")
-                )
-                self._deliver()
-        finally:
-            with self.lock:  # whatever happened, nobody waits for this thread any more
-                self.begun = self.rules.ended = True
-                self.lock.notify_all()
-
-    def _exchanges(self) -> None:
-        with self.lock:
-            try:
-                self.rules.read_ahead()
-            except Exception as exc:
-                self.rules.fail(exc)
-            self._deliver()
-        self.tick()
-        with self.lock:
-            self.begun = True
-            self.lock.notify_all()
-        while True:
-            with self.lock:
-                due = self.last + EXCHANGE_SECONDS
-                while not self.rules.ended and self.quitting is None and (now := time.monotonic()) < due:
-                    self.lock.wait(due - now)
-                if self.rules.ended:
-                    return
-                quit = self.quitting
-            if quit is not None:
-                with contextlib.suppress(Exception):
-                    self._tick(quit=quit)
-                return
-            self.tick()
 
     def tick(self) -> None:
         """One exchange with every rank; an error ends the job here (raised by :func:`run`)."""
@@ -467,7 +420,7 @@ class _Job:
         except Exception as exc:  # RankLost: the others are gone; RanksDisagree, a failed read: they are told
             with self.lock:  # as this rank quits
                 self.rules.fail(exc, ended=isinstance(exc, RankLost))
-                self._deliver()
+                self.deliver()
                 self.lock.notify_all()
 
     def _tick(self, quit: str | None = None) -> None:
@@ -483,15 +436,15 @@ class _Job:
             finally:
                 if self.rules.signal is not None:
                     self.ranks.stop_signal = self.rules.signal
-                self._deliver()
+                self.deliver()
             self.lock.notify_all()
 
     def _notice_stop(self) -> None:
         if not self.rules.stopping and self.should_stop():
             self.rules.halt(self.signal_number() or 0)
-            self._deliver()
+            self.deliver()
 
-    def _deliver(self) -> None:
+    def deliver(self) -> None:
         """Under ``--batch``, the records the rules handed to this rank into the feed, and None once no more
         will come (sequential, :meth:`_next` takes them from the rules)."""
         if self.batch <= 1:
@@ -501,3 +454,71 @@ class _Job:
         if self.rules.over() and not self.fed_all:
             self.fed_all = True
             self.feed.put(None)
+
+
+class _Exchange:
+    """Over the TCP link: the thread that ticks for a job's rank every ``EXCHANGE_SECONDS``, whatever the rank
+    computes, until the job ends or the rank quits."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.begun = False  # the first tick is over
+        self.quitting: str | None = None  # the reason the rank leaves, for the last tick
+        self.thread = threading.Thread(target=self._run, name="mlxpipe-exchange", daemon=True)
+
+    def start(self) -> None:
+        """Start ticking; return once the first tick is over (or the job failed)."""
+        job = self.job
+        self.thread.start()
+        with job.lock:
+            while not self.begun and job.rules.error is None:
+                job.lock.wait()
+
+    def quit(self, reason: str) -> None:
+        """The rank leaves the job: the last tick tells the others, unless the job ended for all."""
+        job = self.job
+        with job.lock:
+            if not job.rules.ended:
+                self.quitting = reason
+                job.lock.notify_all()
+        self.thread.join(timeout=60)  # a rank that hangs is the launcher's to end
+
+    def _run(self) -> None:
+        job = self.job
+        try:
+            self._ticks()
+        except BaseException as exc:  # not raised by a tick: a bug, or the interpreter going away
+            with job.lock:
+                job.rules.fail(
+                    job.rules.error or RankLost(f"the exchange with the other ranks failed: {exc!r}")
+                )
+                job.deliver()
+        finally:
+            with job.lock:  # whatever happened, nobody waits for this thread any more
+                self.begun = job.rules.ended = True
+                job.lock.notify_all()
+
+    def _ticks(self) -> None:
+        job = self.job
+        with job.lock:
+            try:
+                job.rules.read_ahead()
+            except Exception as exc:
+                job.rules.fail(exc)
+            job.deliver()
+        job.tick()
+        with job.lock:
+            self.begun = True
+            job.lock.notify_all()
+        while True:
+            with job.lock:
+                due = job.last + EXCHANGE_SECONDS
+                while not job.rules.ended and self.quitting is None and (now := time.monotonic()) < due:
+                    job.lock.wait(due - now)
+                if job.rules.ended:
+                    return
+                quit = self.quitting
+            if quit is not None:
+                job.leave(quit)
+                return
+            job.tick()

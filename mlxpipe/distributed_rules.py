@@ -86,6 +86,48 @@ def decode_event(obj: dict[str, Any]) -> Event:
     return _KINDS[fields.pop("kind")](**fields)
 
 
+class _Input:
+    """This rank's records as positions: read ahead of the last position handed out, its end once read."""
+
+    def __init__(self, records: Iterable[Record | BadRecord]) -> None:
+        self.records = iter(records)
+        self.ahead: deque[Record | BadRecord] = deque()  # read, not yet handed out
+        self.eof: int | None = None  # how many records the input has, once its end was read
+        self.frontier = 0  # positions handed out so far
+
+    def read(self, n: int) -> None:
+        """Read up to ``n`` more records ahead, unless the end was read."""
+        for _ in range(n):
+            if self.eof is not None:
+                return
+            try:
+                self.ahead.append(next(self.records))
+            except StopIteration:
+                self.eof = self.frontier + len(self.ahead)
+
+    def take(self) -> tuple[int, Record | BadRecord] | None:
+        """The next position and its record; None past the end."""
+        if not self.ahead:
+            self.read(1)
+        if not self.ahead:
+            return None
+        position, self.frontier = self.frontier, self.frontier + 1
+        return position, self.ahead.popleft()
+
+    def all_taken(self) -> bool:
+        return self.eof is not None and not self.ahead
+
+    def check_ends(self, frames: list[Frame]) -> None:
+        """Rank 0: every rank's input ends where this one does."""
+        for rank, frame in enumerate(frames):
+            end = frame["eof"]
+            if end is None or end == self.eof:
+                continue
+            if self.eof is not None or self.frontier + len(self.ahead) > end:
+                mine = "after " + str(self.eof) if self.eof is not None else "later"
+                raise RanksDisagree(f"rank {rank}'s input ends after {end} records, rank 0's {mine}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Said:
     """What this rank said at a tick, as :meth:`Rules.apply` needs it back once the frames are in."""
@@ -113,14 +155,11 @@ class Rules:
         lookahead: int = 1,
         ordered: bool = True,
     ) -> None:
-        self.records = iter(records)
+        self.input = _Input(records)
         self.rank, self.size = rank, size
         self.capacity = batch  # records this rank generates at once
         self.lookahead = max(lookahead, batch // 4) if lookahead > 0 else 0
         self.order = _InputOrder() if ordered else None
-        self.ahead: deque[Record | BadRecord] = deque()  # read, not yet handed out
-        self.eof: int | None = None  # how many records the input has, once its end was read
-        self.frontier = 0  # positions handed out so far
         self.held = 0  # records handed to this rank and not yet finished
         self.handed: deque[Record | BadRecord] = deque()  # handed to this rank, not yet taken by its pipeline
         self.mine_at: dict[int, int] = {}  # record number -> position, for this rank's records
@@ -166,11 +205,11 @@ class Rules:
 
     def over(self) -> bool:
         """No record will be handed to this rank any more."""
-        return self.stopping or self.ended or (self.eof is not None and not self.ahead)
+        return self.stopping or self.ended or self.input.all_taken()
 
     def read_ahead(self) -> None:
         """Read far enough to know whether the input ends within what every rank could take."""
-        self._read(self.size * (self.capacity + self.lookahead) + 1 - len(self.ahead))
+        self.input.read(self.size * (self.capacity + self.lookahead) + 1 - len(self.input.ahead))
 
     # -- a tick
 
@@ -182,7 +221,7 @@ class Rules:
             "events": [encode_event(e) for e in outbox],
             "at": {str(i): self.mine_at[i] for i in {e.index for e in outbox}},
             "want": self._want(),
-            "eof": self.eof,
+            "eof": self.input.eof,
             "idle": self.finished,
             "stopped": self.stopped,
             "stop": self.stop,
@@ -210,7 +249,7 @@ class Rules:
             self._stop()
             halted = True
         if self.rank == 0 and not halted:
-            self._check_ends(frames)
+            self.input.check_ends(frames)
         if all(f["idle"] for f in frames):
             self.ended = True
             if self.rank == 0 and not halted and self.expect:
@@ -250,26 +289,17 @@ class Rules:
                 del self.expect[at[event.index]]
             self._push(event)
 
-    def _check_ends(self, frames: list[Frame]) -> None:
-        """Rank 0: every rank's input ends where rank 0's does."""
-        for rank, frame in enumerate(frames):
-            end = frame["eof"]
-            if end is None or end == self.eof:
-                continue
-            if self.eof is not None or self.frontier + len(self.ahead) > end:
-                mine = "after " + str(self.eof) if self.eof is not None else "later"
-                raise RanksDisagree(f"rank {rank}'s input ends after {end} records, rank 0's {mine}")
-
     def _want(self) -> int:
         if self.stopping or self.over():
             return 0
         depth = self.capacity + self.lookahead
         if self.order is not None and len(self.order) >= HOLD * self.size * depth:
             return 0  # an old record is still generating: do not read further ahead of it
-        if self.eof is not None and self.eof - self.frontier < self.size * depth:
+        left = None if self.input.eof is None else self.input.eof - self.input.frontier
+        if left is not None and left < self.size * depth:
             # Near the end, no lookahead and an equal share of what is left: under --batch the first rank
             # to ask would otherwise take it all and leave the others idle.
-            share = -(-(self.eof - self.frontier) // self.size)
+            share = -(-left // self.size)
             return max(0, min(self.capacity, share) - self.held)
         return max(0, depth - self.held)
 
@@ -277,12 +307,9 @@ class Rules:
         """Hand out the next positions, in order, to the ranks in rank order: the same on every rank."""
         for rank, want in enumerate(wants):
             for _ in range(want):
-                if not self.ahead:
-                    self._read(1)
-                if not self.ahead:
+                if (taken := self.input.take()) is None:
                     return
-                record = self.ahead.popleft()
-                position, self.frontier = self.frontier, self.frontier + 1
+                position, record = taken
                 if self.order is not None:
                     self.order.admit(record.index)
                 if rank != self.rank:
@@ -292,15 +319,6 @@ class Rules:
                 self.mine_at[record.index] = position
                 if not self.stopping:  # stopped since its frame: the record is never started
                     self.handed.append(record)
-
-    def _read(self, n: int) -> None:
-        for _ in range(n):
-            if self.eof is not None:
-                return
-            try:
-                self.ahead.append(next(self.records))
-            except StopIteration:
-                self.eof = self.frontier + len(self.ahead)
 
     def _stop(self) -> None:
         """Take no more records; those handed out but not started are left (the output stops before them)."""

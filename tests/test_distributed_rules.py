@@ -112,7 +112,7 @@ def test_positions_are_handed_out_in_input_order_to_the_ranks_in_rank_order() ->
     assert [f["want"] for f in frames] == [2, 2]
     assert [_taken(rules) for rules in job] == [[1, 2], [3, 4]]
     assert job[0].expect == {2: (1, 3), 3: (1, 4)}  # rank 0 knows what rank 1 must answer, and where
-    assert job[0].eof == 8  # read ahead far enough to see the end
+    assert job[0].input.eof == 8  # read ahead far enough to see the end
 
 
 @pytest.mark.parametrize("size", [1, 2, 3])
@@ -252,9 +252,9 @@ def test_a_stop_on_one_rank_stops_every_rank_and_hands_out_nothing_more() -> Non
     assert frames[1]["stopped"] and frames[1]["stop"] == 15
     assert [rules.signal for rules in job] == [15, 15]
     assert all(rules.stopping and not rules.handed for rules in job)
-    frontier = job[0].frontier
+    frontier = job[0].input.frontier
     _tick(job)
-    assert [rules.frontier for rules in job] == [frontier, frontier]
+    assert [rules.input.frontier for rules in job] == [frontier, frontier]
     assert all(f["want"] == 0 for f in _tick(job))
 
 
@@ -266,7 +266,7 @@ def test_a_stop_noticed_after_the_frame_changes_nothing_decided_at_that_tick() -
     job[0].halt(2)
     for rules, s in zip(job, said, strict=True):
         rules.apply(s, frames)
-    assert [rules.frontier for rules in job] == [4, 4]
+    assert [rules.input.frontier for rules in job] == [4, 4]
     assert not job[0].handed  # handed to a stopped rank: never started
     _tick(job)
     assert job[1].stopping and job[1].signal == 2
