@@ -115,6 +115,7 @@ class _Input:
         return position, self.ahead.popleft()
 
     def all_taken(self) -> bool:
+        """Every record was handed out, and the end read."""
         return self.eof is not None and not self.ahead
 
     def check_ends(self, frames: list[Frame]) -> None:
