@@ -22,7 +22,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from .errors import RecordError, failure
 from .events import FINAL_EVENTS, Error, Event
 from .interface import EngineLike, ShouldStop, never
-from .records import BadRecord, Record
+from .records import BadRecord, Record, one_per_sample
 
 POLL_SECONDS = 0.1  # how often a wait for input checks should_stop
 # How long a batch waits after its first record to learn whether the input holds no other (a piped short
@@ -47,8 +47,10 @@ def run(
     flight end as "interrupted" and no further record is read. ``batch`` > 1 generates up to that
     many records at once (an input of one record is answered as with ``batch=1``, unless ``lone_alone`` is
     false); events stay in input order unless ``ordered`` is false (then they come as produced; each
-    carries its id).
+    carries its id). A record asking for several answers (``settings.samples``) is answered once per sample,
+    each an answer of its own (:func:`mlxpipe.records.one_per_sample`), in order.
     """
+    records = one_per_sample(records)
     if batch > 1:
         yield from _run_batched(records, engine, should_stop, batch, ordered, lone_alone)
         return

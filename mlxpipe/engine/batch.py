@@ -505,7 +505,7 @@ class Batch:
         events: list[Chunk | Done | Error] = []
         if segment:
             slot.text.append(segment)
-            events.append(Chunk(rec.index, rec.id, segment, slot.tokens, tps))
+            events.append(Chunk(rec.index, rec.id, segment, slot.tokens, tps, rec.sample, rec.samples))
         if finish is not None:
             del self._slots[uid]
             if finish == "length" and slot.context_bound:
@@ -528,6 +528,8 @@ class Batch:
                     peak_memory=int(mx.get_peak_memory()),
                     input=rec.input,
                     **extra,
+                    sample=rec.sample,
+                    samples=rec.samples,
                 )
             )
         return events

@@ -78,7 +78,7 @@ def choose(engine: Engine, record: Record, tokens: list[int]) -> Iterator[Chunk 
     count = len(encode(label, add_special_tokens=False))
     scored = sum(len(encode(x, add_special_tokens=False)) for x in labels)
     tps = (len(tokens) + scored) / seconds if seconds > 0 else 0.0
-    yield Chunk(record.index, record.id, label, count, tps)
+    yield Chunk(record.index, record.id, label, count, tps, record.sample, record.samples)
     yield Done(
         index=record.index,
         id=record.id,
@@ -91,4 +91,6 @@ def choose(engine: Engine, record: Record, tokens: list[int]) -> Iterator[Chunk 
         peak_memory=int(mx.get_peak_memory()),
         input=record.input,
         choices=normalized(logprobs),
+        sample=record.sample,
+        samples=record.samples,
     )

@@ -258,7 +258,11 @@ class Engine:
         """How many of ``tokens`` come from a cached shared prefix, and a private copy of its KV cache."""
         if not self.reuse_prefix:
             return 0, None
-        return self.prefixes.split(self.prompts.shared_head(record), tokens)
+        head = self.prompts.shared_head(record)
+        if record.samples > 1:  # a record's samples share its whole prompt, computed once for all of them
+            self.prefixes.split(head, tokens)  # (its shared start first: other records use it too)
+            return self.prefixes.split(tokens[:-1], tokens, keep=False)
+        return self.prefixes.split(head, tokens)
 
     def budget(self, record: Record, tokens: list[int]) -> tuple[int, bool]:
         """The most tokens ``record`` may generate after its prompt ``tokens``, and whether the model's
@@ -336,7 +340,15 @@ class Engine:
                     segment, finish = segment + stops.flush(), "interrupted"
                 if segment:
                     text.append(segment)
-                    yield Chunk(record.index, record.id, segment, r.generation_tokens, tps)
+                    yield Chunk(
+                        record.index,
+                        record.id,
+                        segment,
+                        r.generation_tokens,
+                        tps,
+                        record.sample,
+                        record.samples,
+                    )
                 if finish is not None:
                     answer = "".join(text)
                     if finish == "length" and bound:
@@ -353,6 +365,8 @@ class Engine:
                         peak_memory=int(r.peak_memory * 1e9),  # mlx-lm reports GB
                         input=record.input,
                         **self.finish_fields(record, answer, finish),
+                        sample=record.sample,
+                        samples=record.samples,
                     )
                     return
         finally:
