@@ -10,7 +10,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
@@ -19,11 +19,9 @@ from ..events import Chunk, Done, Error, decode_tps
 from ..records import Record
 from .choices import choose
 from .generate import greedy_argmax
+from .kit import Kit
 from .sampling import StopStrings
 from .tokenizer import finalize_whole
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 __all__ = ["AUTO_CPU", "AUTO_GPU", "CPU_KV_STEP", "Batch", "auto_size"]
 
@@ -381,7 +379,7 @@ class Batch:
     then one done). Each record keeps its own detokenizer, sampler, stop strings, max tokens and counts.
     """
 
-    def __init__(self, engine: Engine, size: int) -> None:
+    def __init__(self, engine: Kit, size: int) -> None:
         self.engine = engine
         self.size = size
         from mlx_lm.generate import BatchGenerator  # imports transformers: only when batching
