@@ -153,6 +153,17 @@ def test_an_interrupted_openai_job_with_samples_resumes_to_each_custom_id_once(t
     assert all(len(line["response"]["body"]["choices"]) == 3 for line in done)
 
 
+def test_a_samples_events_cross_the_ranks_whole() -> None:
+    from mlxpipe.distributed import decode_event, encode_event
+    from mlxpipe.events import Done, Error
+
+    done = Done(3, "a", "t", "stop", 2, 1.0, 4, 2.0, 9, {"n": 2}, sample=1, samples=2)
+    error = Error(4, "b", "f", 2, "bad", sample=0, samples=3)
+    for event in (done, error):
+        assert decode_event(json.loads(json.dumps(encode_event(event)))) == event
+    assert done.to_dict()["sample"] == 1 and "samples" not in done.to_dict()
+
+
 # ---------------------------------------------------------------------------------------------
 # The real command on the real embedded model
 
