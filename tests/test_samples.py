@@ -202,3 +202,17 @@ def test_openai_output_with_n_on_the_real_model(tmp_path: Path) -> None:
     assert body.usage is not None and body.usage.completion_tokens <= 3 * 6
     assert body.usage.total_tokens == body.usage.prompt_tokens + body.usage.completion_tokens
     assert len(chat_types.ChatCompletion.model_validate(second["response"]["body"]).choices) == 1
+
+
+@pytest.mark.model
+def test_a_records_samples_share_its_whole_prompt_read_once(engine: Any) -> None:
+    from mlxpipe.reader import records_from_objects
+
+    (rec,) = records_from_objects([{"prompt": CAT, "n": 2, "temperature": 0.5}])
+    assert isinstance(rec, Record)
+    first, second = one_per_sample([rec])
+    assert isinstance(first, Record) and isinstance(second, Record)
+    tokens = engine.encode(first)
+    assert engine.prefix_for(first, tokens)[0] == len(tokens) - 1  # all but the token generation starts from
+    assert engine.prefix_for(second, tokens)[0] == len(tokens) - 1
+    assert 0 < engine.prefix_for(rec, tokens)[0] < len(tokens) - 1  # a record answered once: its shared start
