@@ -21,7 +21,7 @@ STAMP   := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 # cannot read, and setuptools' editable-install notice).
 PIP     := $(BIN)/python -m pip install -qq
 
-.PHONY: setup run test test-fast lint format docs clean
+.PHONY: setup run test test-portable test-fast lint format docs clean
 
 setup: $(STAMP)
 
@@ -60,6 +60,10 @@ run: setup
 # `make test` is what CI runs (.ci/run): lint first, then every test, the real-model ones included.
 test: lint
 	$(BIN)/python -m pytest -q
+
+# The path a Mac takes: every Linux CPU path off (MLXPIPE_CPU=off), mlx's portable operations alone.
+test-portable:
+	MLXPIPE_CPU=off $(MAKE) test
 
 # The quick loop while developing: no real model, a few seconds.
 test-fast: setup

@@ -1,7 +1,7 @@
 """Timed greedy decode steps on a loaded model: what the CPU benchmarks measure a step by.
 
-Imported by bench/cpu_levers.py and bench/cpu_layers.py (a script's own folder is on ``sys.path``), after
-they have set up the BLAS and imported mlx.
+Imported by bench/batch_steps.py, bench/cpu_layers.py and bench/quantized_rows.py (a script's own folder is on
+``sys.path``), after they have set up the BLAS and imported mlx.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """A batched decode step's weight products (mlxpipe/cpu/gemv.c) from two builds of the shim, side by side.
 
-    PYTHONPATH=. flock -x /tmp/mlxpipe-cpu.lock python bench/qgemm_ab.py [--before main] [--batch 16,64]
-        [--rounds 4] [--threads 1]
+    MLXPIPE_KERNELS=off PYTHONPATH=. flock -x /tmp/mlxpipe-cpu.lock python bench/qgemm_ab.py [--before main]
+        [--batch 16,64] [--rounds 4] [--threads 1]
+
+(``MLXPIPE_KERNELS=off``: the float32 path, whose matrices are attached to the shim; ``--dtype auto``
+computes a quantized model through ``cpu/kernels`` instead, and nothing would be attached.)
 
 Compiles ``gemv.c`` as it is at ``--before`` (a git revision) and as it is in this checkout, loads both as
 libraries of their own (each with its own table of matrices and helper thread), attaches the embedded

@@ -1,10 +1,11 @@
 """One-row products from the quantized weights (mlxpipe/gemv.c) on and off, side by side in one process.
 
-    flock -x /tmp/mlxpipe-cpu.lock python bench/quantized_rows.py [--steps 32] [--rounds 4]
+    MLXPIPE_KERNELS=off flock -x /tmp/mlxpipe-cpu.lock python bench/quantized_rows.py [--steps 32]
+        [--rounds 4]
 
-Loads the embedded model once (``--dtype auto``: float32 on a CPU, its matrices attached to their 4- and
-8-bit forms where the CPU has AVX-512) and times, alternating round by round so that other load on the CPU
-falls on both alike:
+Loads the embedded model once (``--dtype auto`` with ``MLXPIPE_KERNELS=off``: float32 on a CPU, its matrices
+attached to their 4- and 8-bit forms where the CPU has AVX-512 or AVX2) and times, alternating round by round
+so that other load on the CPU falls on both alike:
 
 - a decode step: one forward pass of one new token over a KV cache of ~64 tokens plus the greedy pick,
   evaluated (min and median over ``--steps`` steps per round, over all rounds);

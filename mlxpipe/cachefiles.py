@@ -554,8 +554,7 @@ def build(
             f"the cache folder {folder} is on a filesystem mounted noexec, where a library cannot be loaded",
             "set XDG_CACHE_HOME to a folder on another filesystem",
         )
-    why = check_file(target, inputs)
-    if why is None:
+    if check_file(target, inputs) is None:
         return target
     if target.exists() or target.with_name(target.name + SUM_SUFFIX).exists():
         discard_file(target)  # damaged or made from other inputs: built again
@@ -571,37 +570,9 @@ def build(
     limit = _timeout(timeout)
     with Scratch(folder) as room:
         out = room.path / target.name
-        try:
-            process = subprocess.Popen(
-                command(out),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                errors="replace",
-                start_new_session=True,
-                cwd=room.path,
-                env={**os.environ, "TMPDIR": str(room.path)},  # its intermediates removed with the folder
-                preexec_fn=_die_with_parent,
-            )
-        except OSError as e:
-            raise BuildError(
-                f"{name} could not be run: {e.strerror}", "check that the compiler runs (CC, CXX)"
-            ) from None
-        room.adopt(process.pid)
-        timed_out = False
-        try:
-            _, stderr = process.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            with contextlib.suppress(OSError):
-                os.killpg(process.pid, signal.SIGKILL)
-            _, stderr = process.communicate()
-        room.release(process.pid)
-        with contextlib.suppress(OSError):
-            os.killpg(process.pid, signal.SIGKILL)  # what the compiler left running in its session
-        broken = None if timed_out or process.returncode else _library_whole(out)
-        if not timed_out and process.returncode == 0 and broken is None:
+        returncode, stderr = _compile(command, out, room, name, limit)
+        broken = None if returncode != 0 else _library_whole(out)
+        if returncode == 0 and broken is None:
             try:
                 publish_file(out, target, inputs)
             except OSError as e:
@@ -609,22 +580,69 @@ def build(
                     folder, f"{target.name} could not be published: {e.strerror}", str(e)
                 ) from None
             return target
+    raise _failed(name, marker, limit, returncode, stderr, broken)
+
+
+def _compile(
+    command: Callable[[Path], list[str]], out: Path, room: Scratch, name: str, limit: float
+) -> tuple[int | None, str]:
+    """Run ``command(out)`` in ``room`` (its folder, its TMPDIR), in a session of its own that is killed
+    after ``limit`` seconds and once it exits; returns its exit status (None: stopped at the limit) and
+    what it wrote on stderr."""
+    try:
+        process = subprocess.Popen(
+            command(out),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+            cwd=room.path,
+            env={**os.environ, "TMPDIR": str(room.path)},  # its intermediates removed with the folder
+            preexec_fn=_die_with_parent,
+        )
+    except OSError as e:
+        raise BuildError(
+            f"{name} could not be run: {e.strerror}", "check that the compiler runs (CC, CXX)"
+        ) from None
+    room.adopt(process.pid)
+    returncode: int | None
+    try:
+        _, stderr = process.communicate(timeout=limit)
+        returncode = process.returncode
+    except subprocess.TimeoutExpired:
+        returncode = None
+        with contextlib.suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)
+        _, stderr = process.communicate()
+    room.release(process.pid)
+    with contextlib.suppress(OSError):
+        os.killpg(process.pid, signal.SIGKILL)  # what the compiler left running in its session
+    return returncode, stderr
+
+
+def _failed(
+    name: str, marker: Path, limit: float, returncode: int | None, stderr: str, broken: str | None
+) -> BuildError:
+    """A failed build said (cause and fix), remembered in ``marker`` unless it failed for lack of space."""
+    folder = marker.parent
     free = free_bytes(folder)
-    if timed_out:
+    if returncode is None:
         message = f"{name} took longer than {limit:g} s and was stopped"
         fix = f"it is tried again after a day or with another compiler; {TIMEOUT_ENV}=SECONDS allows longer"
     elif broken is not None:
         message = f"{name} made a library that is not whole: {broken}"
         fix = "it is tried again with another compiler, once space is freed or after a day"
     else:
-        message = f"{name} failed: {_said(stderr, process.returncode)}"
+        message = f"{name} failed: {_said(stderr, returncode)}"
         fix = "it is tried again with another compiler, once space is freed or after a day"
     if "No space left" in stderr or free < LOW_SPACE:
-        raise _space_or(folder, message, stderr)
+        return _space_or(folder, message, stderr)
     # Remembered, so that later runs do not pay for it again (not when the marker cannot be written).
     with contextlib.suppress(OSError):
         _write_json(marker, {"message": message, "free": free, "time": time.time()})
-    raise BuildError(message, fix)
+    return BuildError(message, fix)
 
 
 def _space_or(folder: Path, message: str, said: str) -> BuildError:

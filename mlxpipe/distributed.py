@@ -1,71 +1,31 @@
 """Records spread over the ranks of an ``mlx.launch`` job, handed out on demand; rank 0 writes everything.
 
-This room touches mlx only for transport, and under ``mlx.launch --backend ring`` not at all: the ranks find
-each other through the ring's hostfile (:mod:`mlxpipe.link`); under other backends through ``mx.distributed``;
-generation stays in :mod:`mlxpipe.engine`.
+The protocol's rules (the frames, who is handed which record, what is written, when the job ends, the
+checks) are :mod:`mlxpipe.distributed_rules`'s, written down there once. This module is their transport
+(:class:`Ranks`) and their glue to the pipeline (:func:`run`).
 
-Input: every rank reads the same FILE arguments, so every rank sees the same records in the same order and
-can name a record by its *position* (0-based, bad records included; records ``--resume`` skips are not in
-the stream, on any rank). Before anything else the ranks compare a digest of the files' contents
-(:func:`same_input`); what decides which records are skipped must be the same on every rank too (rank 0
-shares it with :func:`broadcast`).
-
-Ticks. The ranks exchange frames in *ticks*: one :meth:`Ranks.gather` that every rank makes. Over the TCP
-link (the default: every rank connected to rank 0 by a blocking socket, :func:`mlxpipe.link.join`), a helper
-thread of each rank, the *exchange*, ticks every ``EXCHANGE_SECONDS`` whatever the rank computes: the main
-thread only hands it events and takes records, and a wait sleeps in the kernel. With ``MLXPIPE_LINK=off``
-(or where a rank cannot reach rank 0) the gather is mlx's (an ``all_gather`` of the frames' lengths, then
-one of the zero-padded frames, on a CPU stream of its own), which only the main thread may call: the rank
-ticks where it polls for a stop anyway: once per token while generating, once per step under ``--batch``
-(:func:`mlxpipe.pipeline.run` calls ``should_stop`` there), at most every ``TICK_SECONDS`` and every
-``TICK_POLLS`` polls (timed: a prefill is one long poll); and at once, again and again, while it waits for
-work or for the job's end, so a waiting rank never paces the others. A frame is UTF-8 JSON::
-
-    {"events": [...], "at": {"<record number>": position}, "want": int, "eof": int | null,
-     "idle": bool, "stopped": bool, "stop": int, "quit": str | null}
-
-``events``: the rank's chunk and final events since its last tick (:func:`encode_event`), ``at`` their
-records' positions; ``want``: how many more records it asks for (``--batch`` N, or 1, plus ``LOOKAHEAD``,
-N/4 under ``--batch``, so that it starts its next record without waiting for a tick, minus what it holds;
-no lookahead, and at most an equal share of what is left, once fewer records are left than the ranks could
-hold, where it would leave a rank idle at the end; 0 while more than ``HOLD`` * ranks * that depth records
-are read but not yet written, behind one old record still generating);
-``eof``: the number of records in its input once it has read the end; ``idle``: its own pipeline has
-finished (the end of input, or a stop); ``stopped``/``stop``: a signal stopped it (the signal's number);
-``quit``: it leaves the job now (``closed`` when its events were closed: ``--fail-fast``, a closed stdout;
-otherwise the error it raises).
-
-Assignment. After a tick every rank holds the same frames and applies them alike (what it decides depends on
-the frames and on what its own frame said, never on a stop noticed since), so no rank coordinates:
-positions are handed out in input order, ``want`` of them to each rank in rank order. Each rank reads ahead
-of the last position handed out far enough to know whether the input ends within what every rank could take.
-Each record is handed out once, so it is generated once.
-
-Output. Every rank puts all events back into input order (:class:`mlxpipe.pipeline._InputOrder`): the oldest
-unwritten record's events pass at once (rank 0's own stream live), later ones are held until its turn;
-``--unordered`` passes them as they arrive. Rank 0 writes them; the others only count them, for the exit
-status, and see the same stream. The job ends at the tick in which every rank is ``idle``.
-
-Stop. A rank stopped by a signal ends its records in flight as "interrupted" and says ``stopped``; at that
-tick every other rank does the same, and takes no more records. Records handed out but not started are never
-answered, so every rank's ordered stream stops before the first of them: the output is records 1..K (the last
-ones possibly "interrupted"), and a rerun with ``--resume`` does the rest. A rank that quits ends the
-job at once; a rank that quits with an error is reported by rank 0 as :class:`RankLost`.
-
-Checks. Each rank knows which record every position holds; rank 0 raises :class:`RanksDisagree` when a rank
-answers a record other than the one rank 0 read at that position, past the end of rank 0's input, reports an
-input of another length, or never answers a record handed to it. ``all_gather`` is used rather than
-``send``/``recv`` because the ring backend only sends to its two neighbours, while a collective reaches every
-rank from any number of hosts. A rank that dies closes its sockets: the next gather fails on the others and
-raises :class:`RankLost`. ``TICK_SECONDS``, ``TICK_POLLS`` and ``LOOKAHEAD`` can be set through
-``MLXPIPE_TICK_SECONDS``, ``MLXPIPE_TICK_POLLS`` and ``MLXPIPE_LOOKAHEAD``, for measuring
-(bench/distributed.py).
+Transport. This room touches mlx only for transport, and under ``mlx.launch --backend ring`` not at all: the
+ranks find each other through the ring's hostfile (:mod:`mlxpipe.link`); under other backends through
+``mx.distributed``; generation stays in :mod:`mlxpipe.engine`. A tick is one :meth:`Ranks.gather` that every
+rank makes. Over the TCP link (the default: every rank connected to rank 0 by a blocking socket,
+:func:`mlxpipe.link.join`), a helper thread of each rank, the *exchange*, ticks every ``EXCHANGE_SECONDS``
+whatever the rank computes: the main thread only hands it events and takes records, and a wait sleeps in the
+kernel. With ``MLXPIPE_LINK=off`` (or where a rank cannot reach rank 0) the gather is mlx's (an
+``all_gather`` of the frames' lengths, then one of the zero-padded frames, on a CPU stream of its own), which
+only the main thread may call: the rank ticks where it polls for a stop anyway: once per token while
+generating, once per step under ``--batch`` (:func:`mlxpipe.pipeline.run` calls ``should_stop`` there), at
+most every ``TICK_SECONDS`` and every ``TICK_POLLS`` polls (timed: a prefill is one long poll); and at once,
+again and again, while it waits for work or for the job's end, so a waiting rank never paces the others.
+``all_gather`` is used rather than ``send``/``recv`` because the ring backend only sends to its two
+neighbours, while a collective reaches every rank from any number of hosts. A rank that dies closes its
+sockets: the next gather fails on the others and raises :class:`RankLost`. ``TICK_SECONDS``, ``TICK_POLLS``
+and ``LOOKAHEAD`` can be set through ``MLXPIPE_TICK_SECONDS``, ``MLXPIPE_TICK_POLLS`` and
+``MLXPIPE_LOOKAHEAD``, for measuring (bench/distributed.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -74,26 +34,29 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, cast
 
 from . import link
 from .cpu import mlx_core
-from .events import FINAL_EVENTS, Chunk, Done, Error, Event
+from .distributed_rules import RankLost, RanksDisagree, Rules, decode_event, encode_event
+from .events import Event
 from .interface import EngineLike, ShouldStop
 from .records import BadRecord, Record
 from .switches import OFF, setting
 
-_KINDS: dict[str, type[Chunk] | type[Done] | type[Error]] = {"chunk": Chunk, "done": Done, "error": Error}
-
-
-class RankLost(Exception):
-    """Another rank of the job went away (it died, or its host dropped off): the run cannot go on."""
-
-
-class RanksDisagree(Exception):
-    """Another rank read a different stream of records (another input, another ``--resume`` file)."""
+__all__ = [
+    "RankLost",
+    "Ranks",
+    "RanksDisagree",
+    "broadcast",
+    "decode_event",
+    "encode_event",
+    "fingerprint",
+    "launched",
+    "run",
+    "same_input",
+]
 
 
 def launched() -> bool:
@@ -237,17 +200,6 @@ def broadcast(ranks: Ranks, data: bytes) -> bytes:
     return ranks.gather(data if ranks.rank == 0 else b"")[0]
 
 
-def encode_event(event: Event) -> dict[str, Any]:
-    """An event as a JSON object with every field (``index`` and unrounded rates included)."""
-    return {"kind": event.kind, **dataclasses.asdict(event)}
-
-
-def decode_event(obj: dict[str, Any]) -> Event:
-    """The inverse of :func:`encode_event`."""
-    fields = dict(obj)
-    return _KINDS[fields.pop("kind")](**fields)
-
-
 def _env_number(name: str, default: float) -> float:
     try:
         return float(os.environ.get(name, default))
@@ -255,20 +207,16 @@ def _env_number(name: str, default: float) -> float:
         return default
 
 
-# A tick holds every rank until the last one reaches it (about half a token, or half a --batch step, each:
-# measured), and mlx's ring backend busy-polls its sockets meanwhile, on the core the rank computes on. So a
-# rank that generates ticks at most every TICK_SECONDS, and at most every TICK_POLLS of its polls (tokens or
-# steps): the ticks then cost a few percent, whatever a token costs (bench/RESULTS.md, issue 23). Waiting
-# ranks tick at once.
+# A tick holds every rank until the last one reaches it, and mlx's ring backend busy-polls its sockets
+# meanwhile, on the rank's core: so a generating rank ticks at most every TICK_SECONDS and every TICK_POLLS of
+# its polls (tokens or steps), which keeps the ticks' cost to a few percent. Waiting ranks tick at once.
 TICK_SECONDS = _env_number("MLXPIPE_TICK_SECONDS", 0.1)
 TICK_POLLS = _env_number("MLXPIPE_TICK_POLLS", 8)
-# Records a rank holds beyond what it generates at once (1 sequential, --batch N; N/4 more under --batch,
-# where records end more often between two ticks), so that it starts its next record without waiting for a
-# tick; none near the end of the input, where it would unbalance the ranks.
+# Records a rank asks for beyond what it generates at once, so that it starts its next record without
+# waiting for a tick (distributed_rules.Rules: more under --batch, none near the end of the input).
 LOOKAHEAD = int(_env_number("MLXPIPE_LOOKAHEAD", 1))
 GATHER_STREAM = "MLXPIPE_GATHER_STREAM"  # "default": the gather queues behind the token (to measure)
 TICK_STATS = "MLXPIPE_TICK_STATS"  # set: each rank says on stderr how many ticks it made, and their time
-HOLD = 4  # records read but not yet written, at most HOLD * ranks * depth: then no rank asks for more
 # Over the TCP link the ticks run on a helper thread, every EXCHANGE_SECONDS, whatever the rank computes: a
 # tick then costs its rank only the frame's encoding (the wait sleeps in the kernel), and a waiting rank
 # gets work within one period.
@@ -309,12 +257,12 @@ def run(
             job.own(event)
             yield from job.release()
         job.finish()
-        while not job.ended and job.error is None:
+        while not job.rules.ended and job.rules.error is None:
             job.wait_or_tick()
             yield from job.release()
         yield from job.release()
-        if job.error is not None:
-            raise job.error
+        if job.rules.error is not None:
+            raise job.rules.error
     finally:
         job.close()
         if own is not None:
@@ -327,7 +275,10 @@ def run(
 
 
 class _Job:
-    """One rank's side of the protocol (see the module docstring): what it holds, reads, sends, writes."""
+    """One rank's run of the job: its :class:`~mlxpipe.distributed_rules.Rules` fed with ticks (on the main
+    thread at the pipeline's polls, or on the exchange thread), and its pipeline fed with the records they
+    hand to this rank. The lock guards what the exchange thread shares with the main thread; without that
+    thread it is never contended."""
 
     def __init__(
         self,
@@ -338,46 +289,23 @@ class _Job:
         batch: int,
         ordered: bool,
     ) -> None:
-        from .pipeline import _InputOrder
-
-        self.records = iter(records)
+        self.rules = Rules(records, ranks.rank, ranks.size, batch=batch, lookahead=LOOKAHEAD, ordered=ordered)
         self.ranks = ranks
         self.should_stop = should_stop
         self.signal_number = signal_number
         self.batch = batch
-        self.capacity = batch  # records this rank generates at once
-        self.lookahead = max(LOOKAHEAD, batch // 4) if LOOKAHEAD > 0 else 0
-        self.order = _InputOrder() if ordered else None
-        self.ahead: deque[Record | BadRecord] = deque()  # read, not yet handed out
-        self.eof: int | None = None  # how many records the input has, once its end was read
-        self.frontier = 0  # positions handed out so far
-        self.held = 0  # records handed to this rank and not yet finished
-        self.inbox: deque[Record | BadRecord] = deque()  # handed to this rank, not yet started (sequential)
-        self.feed: queue.Queue[Record | BadRecord | None] = queue.Queue()  # the same under --batch
+        # Under --batch the pipeline reads on a helper thread: the records handed to this rank, then None.
+        self.feed: queue.Queue[Record | BadRecord | None] = queue.Queue()
         self.fed_all = False
-        self.mine_at: dict[int, int] = {}  # record number -> position, for this rank's records
-        self.expect: dict[int, tuple[int, int]] = {}  # position -> (rank, record number), the others' records
-        self.outbox: list[Event] = []  # own events not yet sent
-        self.ready: deque[Event] = deque()  # events that may be yielded now
-        self.stopping = False
-        self.stop = 0  # the signal that stopped this rank (0: none, or no number)
-        self.stopped = False
-        self.finished = False  # the own pipeline has returned: nothing in flight, nothing to send
-        self.ended = False  # the job is over: no more ticks
-        self.error: Exception | None = None
-        self.last = 0.0
+        self.last = 0.0  # when the last tick's frames came in
         self.polled = 0.0  # when the pipeline last polled
         self.poll_seconds = 0.0  # between two polls, on average (recent ones weigh more)
         self.progressed = False  # an own event since the last poll
         self.busy_ticks = 0  # ticks made while generating (at the pipeline's polls), and their time
         self.busy_seconds = 0.0
-        # Over the TCP link a helper thread ticks (the exchange); the lock guards what it shares with the
-        # main thread. Without it the main thread ticks, and the lock is never contended.
-        self.threaded = ranks.threaded
+        self.threaded = ranks.threaded  # over the TCP link: the exchange thread ticks
         self.lock = threading.Condition(threading.RLock())
-        self.exchange: threading.Thread | None = None
-        self.begun = False  # the first tick is over
-        self.quitting: str | None = None  # the reason this rank leaves, for the exchange's last tick
+        self.exchange: _Exchange | None = None
 
     # -- hooks for the pipeline
 
@@ -386,54 +314,14 @@ class _Job:
         if self.threaded:
             # The input is read on the exchange thread from the start (a read marked as on the main thread
             # would let a signal raise in the middle of a token).
-            self.exchange = threading.Thread(target=self._exchange, name="mlxpipe-exchange", daemon=True)
+            self.exchange = _Exchange(self)
             self.exchange.start()
-            with self.lock:
-                while not self.begun and self.error is None:
-                    self.lock.wait()
         else:
-            self._read_ahead()
+            self.rules.read_ahead()
+            self.deliver()
             self.tick()
-        if self.error is not None:
-            raise self.error
-
-    def _exchange(self) -> None:
-        """The exchange thread: a tick every ``EXCHANGE_SECONDS`` until the job ends or this rank quits."""
-        try:
-            self._exchanges()
-        except BaseException as exc:  # not raised by a tick: a bug, or the interpreter going away
-            with self.lock:
-                self.error = self.error or RankLost(f"the exchange with the other ranks failed: {exc!r}")
-                self._stop()
-        finally:
-            with self.lock:  # whatever happened, nobody waits for this thread any more
-                self.begun = self.ended = True
-                self.lock.notify_all()
-
-    def _exchanges(self) -> None:
-        with self.lock:
-            try:
-                self._read_ahead()
-            except Exception as exc:
-                self.error = exc
-                self._stop()
-        self.tick()
-        with self.lock:
-            self.begun = True
-            self.lock.notify_all()
-        while True:
-            with self.lock:
-                due = self.last + EXCHANGE_SECONDS
-                while not self.ended and self.quitting is None and (now := time.monotonic()) < due:
-                    self.lock.wait(due - now)
-                if self.ended:
-                    return
-                quit = self.quitting
-            if quit is not None:
-                with contextlib.suppress(Exception):
-                    self._tick(quit=quit)
-                return
-            self.tick()
+        if self.rules.error is not None:
+            raise self.rules.error
 
     def mine(self) -> Iterator[Record | BadRecord]:
         """The records handed to this rank, as the pipeline takes them.
@@ -450,21 +338,21 @@ class _Job:
 
     def _next(self) -> Record | BadRecord | None:
         with self.lock:
-            while not self.inbox and not self._over() and not self.ended:
+            while not self.rules.handed and not self.rules.over():
                 if self.threaded:
                     self.lock.wait()  # the exchange thread hands out records
                 else:
                     self.tick()  # waiting for work: tick as soon as the others do
-            if self.stopping or not self.inbox:
+            if self.rules.stopping or not self.rules.handed:
                 return None
-            return self.inbox.popleft()
+            return self.rules.handed.popleft()
 
     def poll(self) -> bool:
         """The pipeline's ``should_stop``: once per token (per step under ``--batch``), tick when due."""
         if self.threaded:
             with self.lock:
                 self._notice_stop()
-                return self.stopping
+                return self.rules.stopping
         self._notice_stop()
         now = time.monotonic()
         # Under --batch the pipeline also polls while it waits for a record (nothing in flight, no events
@@ -474,32 +362,29 @@ class _Job:
             self.poll_seconds += 0.2 * (now - self.polled - self.poll_seconds)
         self.polled, self.progressed = now, False
         every = max(TICK_SECONDS, TICK_POLLS * self.poll_seconds)
-        if not self.ended and self.error is None and (waiting or now - self.last >= every):
+        if not self.rules.ended and self.rules.error is None and (waiting or now - self.last >= every):
             self.tick()
             self.busy_ticks += 1
             self.busy_seconds += time.monotonic() - now
             self.polled = time.monotonic()
-        return self.stopping
+        return self.rules.stopping
 
     def own(self, event: Event) -> None:
         """An event of this rank's own records: to send at the next tick, and to write in its turn."""
         with self.lock:
-            self.outbox.append(event)
+            self.rules.own(event)
             self.progressed = True
-            if isinstance(event, FINAL_EVENTS):
-                self.held -= 1
-            self._push(event)
 
     def release(self) -> Iterator[Event]:
         """The events that may be written now."""
         with self.lock:
-            ready, self.ready = self.ready, deque()
+            ready = self.rules.writable()
         yield from ready
 
     def finish(self) -> None:
         """This rank's own pipeline has returned: nothing in flight, nothing more to send."""
         with self.lock:
-            self.finished = True
+            self.rules.finish()
 
     def wait_or_tick(self) -> None:
         """After this rank's own records, until the job ends: wait for the others' events."""
@@ -507,7 +392,7 @@ class _Job:
             self.tick()
             return
         with self.lock:
-            if not self.ended and self.error is None and not self.ready:
+            if not self.rules.ended and self.rules.error is None and not self.rules.ready:
                 self.lock.wait()
 
     def close(self) -> None:
@@ -516,196 +401,124 @@ class _Job:
         exc = sys.exc_info()[1]
         reason = "closed" if exc is None or isinstance(exc, GeneratorExit) else str(exc) or type(exc).__name__
         if self.exchange is not None:
-            with self.lock:
-                if not self.ended:
-                    self.quitting = reason
-                    self.lock.notify_all()
-            # The exchange's last tick tells the others; a rank that hangs is the launcher's to end.
-            self.exchange.join(timeout=60)
+            self.exchange.quit(reason)
             return
-        if self.ended:
-            return
+        if not self.rules.ended:
+            self.leave(reason)
+
+    def leave(self, reason: str) -> None:
+        """The last tick: tell the others that this rank leaves the job (whatever fails, it goes)."""
         with contextlib.suppress(Exception):
             self._tick(quit=reason)
 
-    # -- the protocol
+    # -- the ticks
 
     def tick(self) -> None:
         """One exchange with every rank; an error ends the job here (raised by :func:`run`)."""
         try:
             self._tick()
-        except RankLost as exc:
-            with self.lock:
-                self.error, self.ended = exc, True
-                self._stop()
+        except Exception as exc:  # RankLost: the others are gone; RanksDisagree, a failed read: they are told
+            with self.lock:  # as this rank quits
+                self.rules.fail(exc, ended=isinstance(exc, RankLost))
+                self.deliver()
                 self.lock.notify_all()
-        except Exception as exc:  # RanksDisagree, a failed read: the others are told as this rank quits
-            with self.lock:
-                self.error = exc
-                self._stop()
-                self.lock.notify_all()
-
-    def _notice_stop(self) -> None:
-        if not self.stopping and self.should_stop():
-            self.stop, self.stopped = self.signal_number() or 0, True
-            self._stop()
 
     def _tick(self, quit: str | None = None) -> None:
-        with self.lock:  # the frame is built under the lock, the gather waits without it
+        with self.lock:  # the frame is made under the lock, the gather waits without it
             self._notice_stop()  # before the frame: a signal may also have cut this rank's input short
-            outbox, self.outbox = self.outbox, []
-            # Whether this rank had stopped when it wrote its frame: what it decides after the gather must not
-            # depend on a stop its main thread noticed meanwhile, which the others do not know of.
-            halted = self.stopping
-            body = {
-                "events": [encode_event(e) for e in outbox],
-                "at": {str(i): self.mine_at[i] for i in {e.index for e in outbox}},
-                "want": self._want(),
-                "eof": self.eof,
-                "idle": self.finished,
-                "stopped": self.stopped,
-                "stop": self.stop,
-                "quit": quit,
-            }
-        frame = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+            said = self.rules.say(quit)
+        frame = json.dumps(said.frame, ensure_ascii=False, separators=(",", ":")).encode()
         frames = [json.loads(f) for f in self.ranks.gather(frame)]
         with self.lock:
-            self._apply(frames, [e.index for e in outbox if isinstance(e, FINAL_EVENTS)], quit, halted)
+            self.last = time.monotonic()
+            try:
+                self.rules.apply(said, frames)
+            finally:
+                if self.rules.signal is not None:
+                    self.ranks.stop_signal = self.rules.signal
+                self.deliver()
             self.lock.notify_all()
 
-    def _apply(self, frames: list[dict[str, Any]], finals: list[int], quit: str | None, halted: bool) -> None:
-        """One tick's frames, alike on every rank: events, stops, the end, the records handed out."""
-        self.last = time.monotonic()
-        for index in finals:
-            del self.mine_at[index]
-        if quit is not None:
-            self.ended = True
+    def _notice_stop(self) -> None:
+        if not self.rules.stopping and self.should_stop():
+            self.rules.halt(self.signal_number() or 0)
+            self.deliver()
+
+    def deliver(self) -> None:
+        """Under ``--batch``, the records the rules handed to this rank into the feed, and None once no more
+        will come (sequential, :meth:`_next` takes them from the rules)."""
+        if self.batch <= 1:
             return
-        for rank, f in enumerate(frames):
-            if rank != self.ranks.rank:
-                self._take(rank, f)
-        for rank, f in enumerate(frames):
-            if f["quit"] is not None:  # a rank went (--fail-fast, a closed pipe, an error): so does the job
-                self.ended = True
-                if f["quit"] != "closed" and rank != 0 and self.error is None:
-                    self.error = RankLost(f"rank {rank} failed: {f['quit']}")
-                self._stop()
-                return
-        if any(f["stopped"] for f in frames):
-            self.ranks.stop_signal = next((f["stop"] for f in frames if f["stop"]), 0)
-            self._stop()
-            halted = True
-        if self.ranks.rank == 0 and not halted:
-            self._check_ends(frames)
-        if all(f["idle"] for f in frames):
-            self.ended = True
-            if self.ranks.rank == 0 and not halted and self.expect:
-                rank, number = min(self.expect.items())[1]
-                raise RanksDisagree(f"rank {rank} never answered record {number}")
-            return
-        if not halted:
-            self._assign([f["want"] for f in frames])
-            self._read_ahead()
-
-    def _take(self, rank: int, frame: dict[str, Any]) -> None:
-        """Another rank's events: checked against this rank's reading, then put in order."""
-        at = {int(i): p for i, p in frame["at"].items()}
-        for index, position in at.items():
-            if self.expect.get(position) == (rank, index):
-                continue
-            if self.ranks.rank == 0:
-                if position in self.expect:
-                    read = self.expect[position][1]
-                    raise RanksDisagree(f"rank {rank} answered record {index} where rank 0 read {read}")
-                raise RanksDisagree(f"rank {rank} answered record {index}, past the end of rank 0's input")
-            return  # rank 0 stops the job: its reading is the one that counts
-        for obj in frame["events"]:
-            event = decode_event(obj)
-            if isinstance(event, FINAL_EVENTS):
-                del self.expect[at[event.index]]
-            self._push(event)
-
-    def _check_ends(self, frames: list[dict[str, Any]]) -> None:
-        """Rank 0: every rank's input ends where rank 0's does."""
-        for rank, f in enumerate(frames):
-            end = f["eof"]
-            if end is None or end == self.eof:
-                continue
-            if self.eof is not None or self.frontier + len(self.ahead) > end:
-                mine = "after " + str(self.eof) if self.eof is not None else "later"
-                raise RanksDisagree(f"rank {rank}'s input ends after {end} records, rank 0's {mine}")
-
-    def _want(self) -> int:
-        if self.stopping or self._over():
-            return 0
-        depth = self.capacity + self.lookahead
-        if self.order is not None and len(self.order) >= HOLD * self.ranks.size * depth:
-            return 0  # an old record is still generating: do not read further ahead of it
-        if self.eof is not None and self.eof - self.frontier < self.ranks.size * depth:
-            # Near the end, no lookahead and an equal share of what is left: under --batch the first rank
-            # to ask would otherwise take it all and leave the others idle.
-            share = -(-(self.eof - self.frontier) // self.ranks.size)
-            return max(0, min(self.capacity, share) - self.held)
-        return max(0, depth - self.held)
-
-    def _assign(self, wants: list[int]) -> None:
-        """Hand out the next positions, in order, to the ranks in rank order: the same on every rank."""
-        for rank, want in enumerate(wants):
-            for _ in range(want):
-                if not self.ahead:
-                    self._read(1)
-                if not self.ahead:
-                    return
-                record = self.ahead.popleft()
-                position, self.frontier = self.frontier, self.frontier + 1
-                if self.order is not None:
-                    self.order.admit(record.index)
-                if rank != self.ranks.rank:
-                    self.expect[position] = (rank, record.index)
-                    continue
-                self.held += 1
-                self.mine_at[record.index] = position
-                if self.batch > 1:
-                    self.feed.put(record)
-                else:
-                    self.inbox.append(record)
-        if self.batch > 1 and self._over() and not self.fed_all:
+        while self.rules.handed:
+            self.feed.put(self.rules.handed.popleft())
+        if self.rules.over() and not self.fed_all:
             self.fed_all = True
             self.feed.put(None)
 
-    def _read_ahead(self) -> None:
-        """Read far enough to know whether the input ends within what every rank could take."""
-        depth = self.capacity + self.lookahead
-        self._read(self.ranks.size * depth + 1 - len(self.ahead))
-        if self.batch > 1 and self._over() and not self.fed_all:
-            self.fed_all = True
-            self.feed.put(None)
 
-    def _read(self, n: int) -> None:
-        for _ in range(n):
-            if self.eof is not None:
-                return
+class _Exchange:
+    """Over the TCP link: the thread that ticks for a job's rank every ``EXCHANGE_SECONDS``, whatever the rank
+    computes, until the job ends or the rank quits."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.begun = False  # the first tick is over
+        self.quitting: str | None = None  # the reason the rank leaves, for the last tick
+        self.thread = threading.Thread(target=self._run, name="mlxpipe-exchange", daemon=True)
+
+    def start(self) -> None:
+        """Start ticking; return once the first tick is over (or the job failed)."""
+        job = self.job
+        self.thread.start()
+        with job.lock:
+            while not self.begun and job.rules.error is None:
+                job.lock.wait()
+
+    def quit(self, reason: str) -> None:
+        """The rank leaves the job: the last tick tells the others, unless the job ended for all."""
+        job = self.job
+        with job.lock:
+            if not job.rules.ended:
+                self.quitting = reason
+                job.lock.notify_all()
+        self.thread.join(timeout=60)  # a rank that hangs is the launcher's to end
+
+    def _run(self) -> None:
+        job = self.job
+        try:
+            self._ticks()
+        except BaseException as exc:  # not raised by a tick: a bug, or the interpreter going away
+            with job.lock:
+                job.rules.fail(
+                    job.rules.error or RankLost(f"the exchange with the other ranks failed: {exc!r}")
+                )
+                job.deliver()
+        finally:
+            with job.lock:  # whatever happened, nobody waits for this thread any more
+                self.begun = job.rules.ended = True
+                job.lock.notify_all()
+
+    def _ticks(self) -> None:
+        job = self.job
+        with job.lock:
             try:
-                self.ahead.append(next(self.records))
-            except StopIteration:
-                self.eof = self.frontier + len(self.ahead)
-
-    def _over(self) -> bool:
-        """No record will be handed to this rank any more."""
-        return self.stopping or self.ended or (self.eof is not None and not self.ahead)
-
-    def _stop(self) -> None:
-        """Take no more records; those handed out but not started are left (the output stops before them)."""
-        self.stopping = True
-        self.inbox.clear()
-        if self.batch > 1 and not self.fed_all:
-            self.fed_all = True
-            self.feed.put(None)
-
-    def _push(self, event: Event) -> None:
-        if self.error is not None:
-            return  # the run ends with an error: only whole records before it were written
-        if self.order is None:
-            self.ready.append(event)
-        else:
-            self.ready.extend(self.order.push(event))
+                job.rules.read_ahead()
+            except Exception as exc:
+                job.rules.fail(exc)
+            job.deliver()
+        job.tick()
+        with job.lock:
+            self.begun = True
+            job.lock.notify_all()
+        while True:
+            with job.lock:
+                due = job.last + EXCHANGE_SECONDS
+                while not job.rules.ended and self.quitting is None and (now := time.monotonic()) < due:
+                    job.lock.wait(due - now)
+                if job.rules.ended:
+                    return
+                quit = self.quitting
+            if quit is not None:
+                job.leave(quit)
+                return
+            job.tick()

@@ -1,7 +1,9 @@
 """Every error a user can cause, and the one way each becomes a line of text.
 
-The command line maps them to exit statuses: :class:`UsageError` 2, :class:`ModelError` 3; a
-:class:`RecordError` fails one record (an ``error`` event) and the run goes on.
+The command line maps them to exit statuses: :class:`UsageError` 2, :class:`ModelError` 3 (:class:`NoBackend`
+among them: mlx has no backend here); a :class:`RecordError` fails one record (an ``error`` event) and the run
+goes on; a :class:`ConstraintError` is a usage error on the command line and an error line for a record's own
+constraint. :func:`first_line` and :func:`failure` make any message one line.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 mlx.launch (mlx 0.32) relays each rank's stdin, stdout and stderr with a thread that ``select``s on the rank's
 stdin pipe for writing: a pipe with room is always writable, so the thread never sleeps; its main loop spins
 too when its own stdin is at end of file (``< /dev/null``, cron, CI). Together about a core of the launching
-host, taken from the ranks computing there (bench/RESULTS.md, issue 23). A rank never reads stdin (mlxpipe
+host, taken from the ranks computing there (bench/RESULTS.md). A rank never reads stdin (mlxpipe
 refuses stdin input under mlx.launch), so it fills its stdin pipe, which then stops being writable and the
 relay thread sleeps in ``select``; and it lowers the launcher's priority, which leaves its main loop only
 idle cores. Linux only (``/proc``); elsewhere, and for ranks on other hosts (their stdin is ssh's terminal),

@@ -1,7 +1,7 @@
 """The ranks' own link under ``mlx.launch``: a TCP connection from every rank to rank 0, blocking sockets.
 
 mlx's ring backend moves data on socket threads that loop on non-blocking ``recv`` while a receive is pending,
-so a rank waiting at one of its collectives spins a core (bench/RESULTS.md, issue 23); and its set-up makes a
+so a rank waiting at one of its collectives spins a core (bench/RESULTS.md); and its set-up makes a
 rank that connects before its neighbour listens sleep a whole second. Over this link a rank that waits sleeps
 in the kernel, and any thread may gather. Under ``mlx.launch --backend ring`` the ranks need no mlx at all to
 find each other (:func:`join`): rank 0 listens where the ring's hostfile says rank 0 listens (mlx's ring is

@@ -21,6 +21,7 @@ two runs cannot interleave.
 Records without an ``id`` field are known by their record number, so the input must not change
 between runs. A record whose id an earlier record already has is an error line
 (:func:`mlxpipe.reader.unique_ids`), which is never skipped, so no record is taken as done for another's.
+Under ``mlx.launch`` rank 0 reads FILE and shares the done ids with every rank (:meth:`ResumeFile.share`).
 """
 
 from __future__ import annotations

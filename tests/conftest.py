@@ -20,6 +20,18 @@ from mlxpipe.records import Record
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``MLXPIPE_CPU=off`` (``make test-portable``: mlx's portable operations, what a Mac runs) the
+    tests of the Linux CPU paths themselves have nothing to test."""
+    from mlxpipe.switches import CPU, turned_off
+
+    if turned_off(CPU):
+        skip = pytest.mark.skip(reason=f"tests the Linux CPU paths, which {CPU}=off turns off")
+        for item in items:
+            if item.get_closest_marker("cpu_paths"):
+                item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Model conversions go to a cache of the test session's own, never the user's."""

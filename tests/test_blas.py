@@ -21,6 +21,10 @@ from conftest import REPO, cli_env, run_cli
 
 from mlxpipe.cpu import blas, gemv
 
+# The Linux CPU paths' own tests: MLXPIPE_CPU=off (make test-portable) leaves them nothing to test.
+pytestmark = pytest.mark.cpu_paths
+
+
 REFERENCE = "/venv/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
 CMEEL = ("cmeel-openblas", "/venv/site-packages/cmeel.prefix/lib/libopenblas.so.0")
 SYSTEM = ("system", "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")

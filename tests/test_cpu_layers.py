@@ -19,6 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import Llama3RoPE
 
+# The Linux CPU paths' own tests: MLXPIPE_CPU=off (make test-portable) leaves them nothing to test.
+pytestmark = pytest.mark.cpu_paths
+
 # On a CPU the compiled compositions matched mx.fast bit for bit in float32, float16 and bfloat16; the
 # tolerance leaves room for a compiler that fuses multiply-adds differently.
 TOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 2e-2}

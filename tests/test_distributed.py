@@ -425,17 +425,6 @@ def test_closing_the_events_on_one_rank_ends_every_rank(failing: int, threaded: 
     assert set(seen[1 - failing]) >= {1, 2, 3, 4}
 
 
-def test_events_survive_the_wire() -> None:
-    events: list[Event] = [
-        Chunk(3, "a", "Bonjour ✓", 2, 12.3456789),
-        Done(3, "a", "Bonjour ✓", "stop", 2, 12.3456789, 9, 100.5, 123456, {"prompt": "x", "n": [1, None]}),
-        Error(4, 4, "in", 7, "invalid json"),
-    ]
-    assert [
-        distributed.decode_event(json.loads(json.dumps(distributed.encode_event(e)))) for e in events
-    ] == (events)
-
-
 def test_one_rank_alone_gathers_its_own_frame() -> None:
     assert distributed.Ranks().gather(b"x") == [b"x"]
 

@@ -29,6 +29,7 @@ def test_float32_greedy_answer_matches_the_quantized_one() -> None:
     assert f32["finish_reason"] == q["finish_reason"] == "stop"
 
 
+@pytest.mark.cpu_paths
 def test_auto_on_cpu_keeps_the_quantized_weights_where_the_kernels_run(
     engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -62,7 +63,7 @@ def test_auto_on_cpu_is_float32_without_the_kernels_unless_memory_is_short(
 
 
 def test_auto_on_cpu_is_float32_with_reference_blas(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Measured (bench/RESULTS.md): float32 beat mlx's quantized CPU kernels even without OpenBLAS.
+    # Measured (bench/RESULTS.md, r-f32-vs-q): float32 beat mlx's quantized CPU kernels even without OpenBLAS.
     from mlxpipe.cpu import kernels
     from mlxpipe.engine import dtype as engine_module
 

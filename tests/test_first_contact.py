@@ -71,6 +71,7 @@ def _fast_blas_expected() -> bool:
 
 
 @pytest.mark.model
+@pytest.mark.cpu_paths
 @pytest.mark.skipif(not _fast_blas_expected(), reason="the one-row kernels are built only on a Linux CPU")
 def test_a_slow_path_is_said_once_when_a_run_starts_and_not_with_quiet(tmp_path: Path) -> None:
     # A compiler that fails (a broken toolchain): the kernels cannot be built, and the run says so once,
@@ -109,6 +110,7 @@ def test_a_slow_path_is_said_once_when_a_run_starts_and_not_with_quiet(tmp_path:
 
 
 @pytest.mark.model
+@pytest.mark.cpu_paths
 @pytest.mark.skipif(not _fast_blas_expected(), reason="an optimized BLAS is loaded only on a Linux CPU")
 def test_model_info_gives_the_loaders_own_reason(tmp_path: Path) -> None:
     missing = tmp_path / "libopenblas.so.0"

@@ -24,6 +24,10 @@ from conftest import REPO, blas_runs_here, cli_env
 from mlxpipe import cachefiles
 from mlxpipe.cpu import blas, gemv
 
+# The Linux CPU paths' own tests: MLXPIPE_CPU=off (make test-portable) leaves them nothing to test.
+pytestmark = pytest.mark.cpu_paths
+
+
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
 
 

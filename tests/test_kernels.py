@@ -13,6 +13,9 @@ import pytest
 
 from mlxpipe.cpu import gemv, kernels  # before mlx: the BLAS and the library come first
 
+# The Linux CPU paths' own tests: MLXPIPE_CPU=off (make test-portable) leaves them nothing to test.
+pytestmark = pytest.mark.cpu_paths
+
 mx: Any = pytest.importorskip("mlx.core")
 
 

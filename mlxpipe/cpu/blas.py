@@ -28,7 +28,8 @@ In front of a BLAS it loads, :mod:`mlxpipe.cpu.gemv` puts a ``cblas_sgemm`` that
 
 When a fast path is missing for a reason the user can fix (no BLAS would load, the kernels could not be
 built), :func:`slow_paths` says so in one line each, with the loader's or compiler's own message and the fix;
-the command line prints them once when a run starts.
+the command line prints them once when a run starts. :func:`use_threads` sets OpenBLAS's threads per run:
+one for a single stream, the library's own count for a batch.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import first_line
-from ..switches import OFF, setting
+from ..switches import setting, turned_off_by
 from . import gemv
 
 __all__ = ["ENV", "BlasChoice", "choose", "setup", "slow_paths", "threads", "use_threads"]
@@ -120,8 +121,8 @@ def choose() -> BlasChoice:
     if _platform() != "linux":
         return BlasChoice(None, "mlx", f"not Linux ({_platform()}): mlx's own BLAS")
     reference = _reference_blas()
-    if value.lower() in OFF:
-        return BlasChoice(None, "mlx", f"turned off by {ENV}={value}", reference=reference is not None)
+    if off := turned_off_by(ENV):
+        return BlasChoice(None, "mlx", f"turned off by {off}", reference=reference is not None)
     if _mlx_imported():
         reason = "mlx was imported before mlxpipe could load a BLAS"
         return BlasChoice(None, "mlx", reason, reference=reference is not None)

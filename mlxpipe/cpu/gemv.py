@@ -46,7 +46,7 @@ from typing import Any
 from .. import cachefiles
 from ..errors import first_line
 from ..paths import cache_dir
-from ..switches import setting, turned_off
+from ..switches import setting, turned_off, turned_off_by
 
 __all__ = [
     "AMX_ENV",
@@ -136,7 +136,7 @@ def install(blas: Any) -> str:
     raises: any failure leaves mlx calling the BLAS's own ``sgemm``.
     """
     if turned_off(ENV):
-        return f"off ({ENV}={setting(ENV)})"
+        return f"off ({turned_off_by(ENV)})"
     try:
         sgemm = ctypes.cast(blas.cblas_sgemm, ctypes.c_void_p)
         sgemv = ctypes.cast(blas.cblas_sgemv, ctypes.c_void_p)

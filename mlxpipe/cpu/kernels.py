@@ -30,7 +30,7 @@ import mlx.core as mx
 from .. import cachefiles
 from ..errors import first_line
 from ..paths import cache_dir
-from ..switches import setting, turned_off
+from ..switches import turned_off, turned_off_by
 from . import gemv
 
 __all__ = [
@@ -61,7 +61,7 @@ def load() -> str:
     if _state is not None:
         return _state
     if turned_off(ENV):
-        _state = f"off ({ENV}={setting(ENV)})"
+        _state = f"off ({turned_off_by(ENV)})"
     elif not gemv.quantized_available():
         _state = "not used: gemv.c's quantized kernels do not run here"
     else:

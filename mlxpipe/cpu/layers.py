@@ -16,9 +16,10 @@ the whole step (numbers unchanged, only when they are computed). Linear layers (
 multiply by their weight's transpose made once, not by a new transpose operation each call (``linear``: a
 tenth of a decode step's operations, the same products). Where :func:`.quantized.fuse` concatenated an
 attention's q, k and v projections (or an MLP's gate and up), one product by the whole replaces the parts'
-(``fused``: the same sums, a quarter fewer products and operations a step).
+(``fused``: the same sums, a quarter fewer products and operations a step). :func:`argmax` is a greedy
+step's pick over the vocabulary, by gemv.c (the engine's, on a CPU).
 Used by :mod:`mlxpipe.engine` only, and only on a CPU: on Metal and CUDA ``mx.fast`` has real kernels.
-``MLXPIPE_CPU_FAST=off`` turns it off. Measurements: bench/RESULTS.md (issue 7).
+``MLXPIPE_CPU_FAST=off`` turns it off. Measurements: bench/RESULTS.md (the CPU paths, one at a time).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 mlx's CPU allocator takes every array from ``malloc`` and hands it back when the array dies, and glibc maps
 buffers past its threshold (128 KiB, raised as it goes up to 32 MiB) fresh from the kernel each time: every
 step's new arrays then fault their pages in again, each zeroed by the kernel (an eighth of a batched
-prompt's CPU time; bench/RESULTS.md, issue 19). With the threshold fixed at 32 MiB and the heap trimmed only
+prompt's CPU time; bench/RESULTS.md). With the threshold fixed at 32 MiB and the heap trimmed only
 past 1 GiB, a freed buffer is reused as it is. ``MLXPIPE_MALLOC=off`` leaves glibc's defaults.
 """
 
@@ -13,7 +13,7 @@ import ctypes
 import functools
 import sys
 
-from ..switches import turned_off
+from ..switches import turned_off_by
 
 ENV = "MLXPIPE_MALLOC"
 # mallopt's parameters (malloc.h)
@@ -26,8 +26,8 @@ def keep_freed_memory() -> str:
     """Set glibc's malloc to reuse freed buffers (once a process); what was done, for ``--model-info``."""
     if not sys.platform.startswith("linux"):
         return "not Linux: the platform's malloc"
-    if turned_off(ENV):
-        return f"turned off by {ENV}: glibc's defaults"
+    if off := turned_off_by(ENV):
+        return f"turned off by {off}: glibc's defaults"
     try:
         mallopt = ctypes.CDLL(None).mallopt  # glibc's; other C libraries (musl) have none
     except (AttributeError, OSError):

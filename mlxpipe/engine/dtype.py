@@ -111,8 +111,9 @@ def choose_dtype(model: Any, requested: str, batch: int = 1) -> tuple[str, str]:
     ``auto``: on CUDA with ``batch`` > 1, the model's own 16-bit type (:func:`half_dtype`) when its 16-bit
     weights fit in half the free GPU memory (mlx's quantized matmuls cost grows with the batch there; 16-bit
     ones barely do). Otherwise on a GPU the
-    quantized weights (as fast for one stream, 2-4x less memory). On a CPU float32 (mlx's quantized CPU
-    kernels are slow and do not batch) when the float32 weights fit in half the free memory. Measurements:
+    quantized weights (as fast for one stream, 2-4x less memory). On a CPU a quantized model's own weights
+    where mlxpipe's kernels run (:mod:`mlxpipe.cpu.kernels`), else float32 (mlx's quantized CPU kernels are
+    slower and do not batch) when the float32 weights fit in half the free memory. Measurements:
     bench/RESULTS.md.
     """
     if requested not in DTYPES:
@@ -178,7 +179,7 @@ def apply_dtype(
 
 
 # Float32 matrices kept in the cache only up to this size: reading them back costs a tenth of computing them
-# (bench/RESULTS.md, start-up), but each is ~8x the quantized file on disk.
+# (bench/RESULTS.md, ``r-derived``), but each is ~8x the quantized file on disk.
 STORED_MAX_BYTES = 2 << 30
 STORED_VERSION = "v2"  # part of the kept file's name: bump it when the file holds other numbers or layout
 

@@ -8,6 +8,9 @@ a prefix (``store``), its KV cache is also kept between runs: a process started 
 ``xargs``) reads its system prompt's cache instead of computing it again. The file's name carries everything
 that decides the numbers (tokens, dtype, device, versions, code), so a kept cache is the one a run would
 compute.
+
+In one run the engine keeps the last ``PREFIX_CACHE_ENTRIES`` prefixes (least recently used first out).
+:func:`prefill` runs a prompt's tokens into a KV cache a chunk at a time.
 """
 
 from __future__ import annotations

@@ -1,4 +1,11 @@
-"""A :class:`ModelSource` → a folder ``mlx_lm.load`` accepts: GGUF files are converted once into the cache."""
+"""A :class:`ModelSource` → a folder ``mlx_lm.load`` accepts: GGUF files are converted once into the cache.
+
+:func:`materialize`: a GGUF file or Ollama blob is converted into a folder keyed by the file and
+:data:`CONVERTER_VERSION`, published whole with its manifest written last and checked at each use (a damaged
+or cut-short folder is converted again); a hub id's snapshot is downloaded where it is not cached; a folder is
+itself. :func:`derived_file` names where a file computed from a conversion is kept (float32 matrices, packed
+copies, prefix caches).
+"""
 
 from __future__ import annotations
 

@@ -33,10 +33,9 @@ BLOCKS = {
 FLOAT_TYPES = {F32: "F32", F16: "F16", BF16: "BF16"}
 # Exact types: the file's own bit width.
 TYPE_BITS = {Q4_0: 4, Q4_1: 4, Q5_0: 5, Q5_1: 5, Q8_0: 8, Q4_K: 4, Q5_K: 5}
-# 16-weight-group types, requantized to 32-weight groups (bench/kquant_requant.py, RESULTS.md): Q6_K to 6 bits
-# (total error 2.6% of the weights' RMS against the file's 1.8%, still below Q5_K's; 8 bits would be 1.8% but
-# 9 bits a weight, which puts a Q4_K_M file ~18% over its size), Q3_K and Q2_K to 6 bits: at 4, greedy answers
-# parted from llama.cpp's within 3 tokens on Q2_K files; at 6 they agree as Q4_K_M's do (bench/RESULTS.md).
+# 16-weight-group types, requantized to 32-weight groups with more bits than the file's: 6 keeps Q6_K's error
+# below Q5_K's at ~10% more bytes than a Q4_K_M file (8 would cost ~18%), and keeps Q2_K's greedy answers
+# llama.cpp's, which at 4 bits parted within 3 tokens (bench/RESULTS.md: ``r-requant-error``, ``r-requant``).
 REQUANT_BITS = {Q6_K: 6, Q3_K: 6, Q2_K: 6}
 
 
