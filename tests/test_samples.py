@@ -216,3 +216,20 @@ def test_a_records_samples_share_its_whole_prompt_read_once(engine: Any) -> None
     assert engine.prefix_for(first, tokens)[0] == len(tokens) - 1  # all but the token generation starts from
     assert engine.prefix_for(second, tokens)[0] == len(tokens) - 1
     assert 0 < engine.prefix_for(rec, tokens)[0] < len(tokens) - 1  # a record answered once: its shared start
+
+
+@pytest.mark.model
+def test_two_ranks_of_mlx_launch_write_each_sample_once_as_one_process_does(
+    tmp_path: Path, batch_is_exact: bool
+) -> None:
+    from test_distributed import _finish, _launch
+
+    inp = tmp_path / "in.txt"
+    inp.write_text(f"Say something.\n{CAT}\nName a colour.\n")
+    args = ["--out", "jsonl", "--no-stream", "--samples", "3", "--temp", "0.8", "--seed", "1", "-n", "6"]
+    out, err = _finish(_launch([*args, str(inp)]))
+    ranks = finals(lines(out))
+    assert [(e["id"], e["sample"]) for e in ranks] == [(i, k) for i in (1, 2, 3) for k in range(3)], err
+    if batch_is_exact:
+        alone = finals(lines(run_cli([*args, str(inp)]).stdout))
+        assert [e["text"] for e in ranks] == [e["text"] for e in alone]
