@@ -5,29 +5,30 @@ Input: a request line ``{"custom_id", "method": "POST", "url", "body"}`` (known 
 JSONL record (:func:`request_fields`), so the reader's own checks apply to them. ``url`` is
 ``/v1/chat/completions`` (``body.messages``) or ``/v1/completions`` (``body.prompt``, sent without the chat
 template). From ``body``: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``,
-``stop``, ``response_format`` (``json_schema``: its schema; ``json_object``: any JSON object; ``text``).
-``model`` is read and ignored (mlxpipe answers with the model it loaded). Fields that change nothing
-(``user``, ``metadata``, ``store``, ``stream: false``, ``n: 1``, penalties of 0, …) are ignored; any other
-field (``tools``, ``logit_bias``, ``n`` > 1, …) makes the record an error naming it, never silence.
+``stop``, ``n`` (that many answers: the record's samples), ``response_format`` (``json_schema``: its schema;
+``json_object``: any JSON object; ``text``). ``model`` is read and ignored (mlxpipe answers with the model it
+loaded). Fields that change nothing (``user``, ``metadata``, ``store``, ``stream: false``, penalties of 0,
+…) are ignored; any other field (``tools``, ``logit_bias``, …) makes the record an error naming it, never
+silence.
 
-Output: one Batch API output line per record (:func:`response_line`, :func:`error_line`).
+Output: one Batch API output line per record (:func:`response_line`, :func:`error_line`); a record's samples
+are the ``choices`` of its one line, its usage summed as OpenAI sums it (the prompt counted once).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 
-_MAPPED = ("max_tokens", "temperature", "top_p", "seed", "stop")
+_MAPPED = ("max_tokens", "temperature", "top_p", "seed", "stop", "n")
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 # Fields accepted only at the value that changes nothing (an answer that differs would be silence).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "stream": (False,),
     "logprobs": (False, None),
     "top_logprobs": (0, None),
@@ -142,37 +143,60 @@ def _finish(reason: str) -> str:
     return "stop" if reason == "stop" else "length"  # "length" and "context": the answer was cut short
 
 
-def response_line(done: Any, model: str, number: int) -> dict[str, Any]:
-    """A Batch API output line for a ``Done`` event whose ``input`` was a request line (``number``: its
-    record number, making ids unique in the run). Its ``finish_reason`` must not be "interrupted"."""
-    request = done.input if isinstance(done.input, dict) else {}
+def response_line(answers: Sequence[Any], model: str, number: int) -> dict[str, Any]:
+    """A Batch API output line for a record's ``Done`` events, one per sample in sample order, whose
+    ``input`` was a request line (``number``: a number making ids unique in the run). None of their
+    ``finish_reason`` may be "interrupted"."""
+    first = answers[0]
+    request = first.input if isinstance(first.input, dict) else {}
     chat = request.get("url", CHAT_URL) == CHAT_URL
-    choice: dict[str, Any] = {"index": 0, "finish_reason": _finish(done.finish_reason), "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": done.text}
-    else:
-        choice["text"] = done.text
+    choices = []
+    for index, done in enumerate(answers):
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": _finish(done.finish_reason),
+            "logprobs": None,
+        }
+        if chat:
+            choice["message"] = {"role": "assistant", "content": done.text}
+        else:
+            choice["text"] = done.text
+        choices.append(choice)
+    tokens = sum(done.tokens for done in answers)
     stamp = f"{int(time.time() * 1000):x}_{number}"
+    mine: dict[str, Any] = {
+        "tps": round(_decode_tps(answers), 3),
+        "prompt_tps": round(first.prompt_tps, 3),
+        "peak_memory": max(done.peak_memory for done in answers),
+        "finish_reason": first.finish_reason,
+    }
+    if len(answers) > 1:
+        mine["finish_reasons"] = [done.finish_reason for done in answers]
     body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-mlxpipe-{stamp}",
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": {
-            "prompt_tokens": done.prompt_tokens,
-            "completion_tokens": done.tokens,
-            "total_tokens": done.prompt_tokens + done.tokens,
+            "prompt_tokens": first.prompt_tokens,  # one prompt, however many answers
+            "completion_tokens": tokens,
+            "total_tokens": first.prompt_tokens + tokens,
         },
-        "mlxpipe": {
-            "tps": round(done.tps, 3),
-            "prompt_tps": round(done.prompt_tps, 3),
-            "peak_memory": done.peak_memory,
-            "finish_reason": done.finish_reason,
-        },
+        "mlxpipe": mine,
     }
     response = {"status_code": 200, "request_id": f"req-mlxpipe-{stamp}", "body": body}
-    return {"id": f"batch_req_mlxpipe_{stamp}", "custom_id": done.id, "response": response, "error": None}
+    return {"id": f"batch_req_mlxpipe_{stamp}", "custom_id": first.id, "response": response, "error": None}
+
+
+def _decode_tps(answers: Sequence[Any]) -> float:
+    """The answers' decode rate together: their tokens after the first over their time (one answer's own
+    ``tps``)."""
+    if len(answers) == 1:
+        return float(answers[0].tps)
+    timed = [done for done in answers if done.tps > 0]
+    seconds = sum((done.tokens - 1) / done.tps for done in timed)
+    return sum(done.tokens - 1 for done in timed) / seconds if seconds > 0 else 0.0
 
 
 def error_line(custom_id: Any, code: str, message: str, number: int) -> dict[str, Any]:

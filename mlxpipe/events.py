@@ -6,19 +6,29 @@ ignore what they do not know.
 
 ``chunk``  a fragment of a record's completion, as it streams::
 
-    {"event": "chunk", "id": ..., "text": str, "tokens": int, "tps": float}
+    {"event": "chunk", "id": ..., "sample": int, "text": str, "tokens": int, "tps": float}
 
 ``done``   a record's final result (exactly one per successful record)::
 
-    {"event": "done", "id": ..., "text": str, "finish_reason": "stop" | "length" | "context" | "interrupted",
-     "tokens": int, "tps": float, "prompt_tokens": int, "prompt_tps": float,
-     "peak_memory": int (bytes), "input": <the original record>,
+    {"event": "done", "id": ..., "sample": int, "text": str,
+     "finish_reason": "stop" | "length" | "context" | "interrupted", "tokens": int, "tps": float,
+     "prompt_tokens": int, "prompt_tps": float, "peak_memory": int (bytes), "input": <the original record>,
      "json": <the parsed answer>,            # only with a JSON schema (--json-schema, "json_schema")
      "choices": {label: float, ...}}         # only with --choices or "choices"
 
 ``error``  a record that could not be processed (exactly one per failed record)::
 
-    {"event": "error", "id": ..., "file": str, "line": int, "error": str}
+    {"event": "error", "id": ..., "sample": int, "file": str, "line": int, "error": str}
+
+``sample`` is there only when the record asks for several answers (``--samples N``, a record's ``n``, an
+OpenAI request's ``body.n``): each answer is one sample, 0 to N-1, with its own chunks and its own final
+``done`` or ``error`` line, in order (the record's samples, then the next record's). Each sample is drawn
+with its own seed, derived from the record's alone (sample 0 keeps the record's seed, so it is the answer
+the record would get alone), so a record's samples do not depend on its neighbours or the batch size; at
+temperature 0 every sample is the same greedy answer (mlxpipe says so once on stderr). A record that could
+not be read at all (a bad line) is one ``error`` line without ``sample``. In text output each sample is an
+answer of its own: with ``--one-line`` (or ``-z``) a record's N answers are N lines (records) in a row, and a
+blank input line is N empty ones, so output line ``i*N + s`` is input line ``i``'s sample ``s``.
 
 ``id`` is the record's own ``id`` field when it has one, else its 1-based record number. In JSONL output
 no two records share one: a record whose id an earlier record has (``{"id": 4}`` and the fourth record
@@ -66,11 +76,12 @@ their time, as a ``done`` event's ``tps``) over all records, ``peak_memory`` the
 ``batch`` says how many records generated together (and why, when ``--batch auto`` chose). It is the
 ``--stats`` line on stderr, which is written too, for machines.
 
-Every record of the input gets exactly one ``done`` or ``error`` line, in input order (``--unordered``
-keeps the one line, not the order). ``id`` is a string or an integer, and ``file`` and ``line`` name
-where an error's record came from (see :mod:`mlxpipe.reader` for what input is refused). Each line is written
-with one write and flushed. With ``--resume FILE`` the ``done`` and ``error`` lines are appended to FILE
-instead of stdout, except ``done`` lines of interrupted records (see :mod:`mlxpipe.resume`).
+Every record of the input gets exactly one ``done`` or ``error`` line (one per sample), in input order
+(``--unordered`` keeps the one line, not the order). ``id`` is a string or an integer, and ``file`` and
+``line`` name where an error's record came from (see :mod:`mlxpipe.reader` for what input is refused). Each
+line is written with one write and flushed. With ``--resume FILE`` the ``done`` and ``error`` lines are
+appended to FILE instead of stdout, except ``done`` lines of interrupted records (see
+:mod:`mlxpipe.resume`).
 """
 
 from __future__ import annotations
@@ -99,6 +110,11 @@ def decode_tps(tokens: int, first: float, now: float) -> float:
     return (tokens - 1) / (now - first)
 
 
+def _sample(sample: int | None) -> dict[str, int]:
+    """The ``sample`` field of a record's events, there only when it has several answers."""
+    return {} if sample is None else {"sample": sample}
+
+
 @dataclass(frozen=True)
 class Chunk:
     """A streamed fragment of one record's completion."""
@@ -109,11 +125,14 @@ class Chunk:
     text: str
     tokens: int
     tps: float
+    sample: int | None = None  # which of the record's answers (None: its only one)
+    samples: int = field(default=1, repr=False)  # how many it has; not on the wire
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "event": self.kind,
             "id": self.id,
+            **_sample(self.sample),
             "text": self.text,
             "tokens": self.tokens,
             "tps": round(self.tps, 3),
@@ -141,6 +160,8 @@ class Done:
     json: Any = None  # the parsed answer under a JSON schema (when has_json: null is a valid answer)
     has_json: bool = False
     choices: dict[str, float] | None = None  # each choice's probability, under --choices
+    sample: int | None = None  # as Chunk's
+    samples: int = field(default=1, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
@@ -151,6 +172,7 @@ class Done:
         return {
             "event": self.kind,
             "id": self.id,
+            **_sample(self.sample),
             "text": self.text,
             "finish_reason": self.finish_reason,
             "tokens": self.tokens,
@@ -177,6 +199,10 @@ class _Located(Protocol):
     def file(self) -> str: ...
     @property
     def line(self) -> int: ...
+    @property
+    def sample(self) -> int | None: ...
+    @property
+    def samples(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -189,14 +215,17 @@ class Error:
     file: str
     line: int
     error: str
+    sample: int | None = None  # as Chunk's
+    samples: int = field(default=1, repr=False)
 
     @classmethod
     def about(cls, record: _Located, error: str) -> Error:
         """The error event of ``record``."""
-        return cls(record.index, record.id, record.file, record.line, error)
+        return cls(record.index, record.id, record.file, record.line, error, record.sample, record.samples)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"event": self.kind, "id": self.id, "file": self.file, "line": self.line, "error": self.error}
+        where = {"file": self.file, "line": self.line, "error": self.error}
+        return {"event": self.kind, "id": self.id, **_sample(self.sample), **where}
 
     def to_json(self) -> str:
         return dumps(self.to_dict())

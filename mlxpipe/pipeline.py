@@ -22,7 +22,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from .errors import RecordError, failure
 from .events import FINAL_EVENTS, Error, Event
 from .interface import EngineLike, ShouldStop, never
-from .records import BadRecord, Record
+from .records import BadRecord, Record, one_per_sample
 
 POLL_SECONDS = 0.1  # how often a wait for input checks should_stop
 # How long a batch waits after its first record to learn whether the input holds no other (a piped short
@@ -47,8 +47,10 @@ def run(
     flight end as "interrupted" and no further record is read. ``batch`` > 1 generates up to that
     many records at once (an input of one record is answered as with ``batch=1``, unless ``lone_alone`` is
     false); events stay in input order unless ``ordered`` is false (then they come as produced; each
-    carries its id).
+    carries its id). A record asking for several answers (``settings.samples``) is answered once per sample,
+    each an answer of its own (:func:`mlxpipe.records.one_per_sample`), in order.
     """
+    records = one_per_sample(records)
     if batch > 1:
         yield from _run_batched(records, engine, should_stop, batch, ordered, lone_alone)
         return
@@ -77,82 +79,113 @@ def _run_batched(
     # Read-ahead is bounded: `size` records queued, `size` in flight and, in order mode, at most `size`
     # finished ones held behind a slower older record.
     feed = _Prefetch(records, size)
-    head: list[Record | BadRecord] = []  # records taken before the batch opened
     try:
-        first = feed.get(block=True, should_stop=should_stop)
-        second = (
-            None
-            if first is None or not lone_alone
-            else feed.get(block=True, should_stop=should_stop, within=LONE_WAIT_SECONDS)
-        )
+        head = _first_records(feed, should_stop, lone_alone)
     except BaseException:
         feed.close()
         raise
-    if first is None:  # no input, or stopped before any: nothing to answer
+    if not head:  # no input, or stopped before any: nothing to answer
         feed.close()
         return
-    head.append(first)
-    if second is not None:
-        head.append(second)
-    elif lone_alone and feed.done:
+    if lone_alone and len(head) == 1 and feed.done:
         # The input held one record: the sequential path answers it alike, without a batch to set up.
         feed.close()
         yield from run(head, engine, should_stop)
         return
-    order = _InputOrder() if ordered else None
-    session = engine.batch(size)
-    live: dict[int, Record] = {}  # records added to the session and not yet ended, by index
-
-    def emit(events: Iterable[Event]) -> Iterator[Event]:
-        for event in events:
-            if order is None:
-                yield event
-            else:
-                yield from order.push(event)
-
+    batched = _Batched(engine, size, feed, should_stop, ordered)
     try:
+        yield from batched.events(head)
+    finally:
+        batched.close()
+
+
+def _first_records(feed: _Prefetch, should_stop: ShouldStop, lone_alone: bool) -> list[Record | BadRecord]:
+    """The records taken before a batch opens: the first and, with ``lone_alone``, a second when one comes
+    within ``LONE_WAIT_SECONDS`` (else the input may hold one record); none when there is no input."""
+    first = feed.get(block=True, should_stop=should_stop)
+    if first is None:
+        return []
+    if not lone_alone:
+        return [first]
+    second = feed.get(block=True, should_stop=should_stop, within=LONE_WAIT_SECONDS)
+    return [first] if second is None else [first, second]
+
+
+class _Batched:
+    """The records in flight under ``--batch``: which are added to the engine's batch and when, its steps,
+    and their events put back into input order (unless not ``ordered``)."""
+
+    def __init__(
+        self, engine: EngineLike, size: int, feed: _Prefetch, should_stop: ShouldStop, ordered: bool
+    ) -> None:
+        self.engine, self.size, self.feed, self.should_stop = engine, size, feed, should_stop
+        self.order = _InputOrder() if ordered else None
+        self.session = engine.batch(size)
+        self.live: dict[int, Record] = {}  # records added to the session and not yet ended, by index
+
+    def events(self, head: list[Record | BadRecord]) -> Iterator[Event]:
+        """Every record's events: ``head`` (taken already), then the rest of the feed."""
         while True:
-            while len(session) < size and (order is None or len(order) < 2 * size):
-                # Wait for input only when nothing is in flight; otherwise take what has arrived.
-                item = head.pop(0) if head else feed.get(block=len(session) == 0, should_stop=should_stop)
-                if item is None:
-                    break
-                if order is not None:
-                    order.admit(item.index)
-                if isinstance(item, BadRecord):
-                    yield from emit([Error.about(item, item.error)])
-                    continue
-                try:
-                    session.add(item)
-                    live[item.index] = item
-                except RecordError as exc:
-                    yield from emit([Error.about(item, str(exc))])
-                except Exception as exc:  # as in sequential mode: one bad record does not end the job
-                    yield from emit([Error.about(item, failure(exc))])
-            if should_stop():
-                yield from emit(session.interrupt())
+            yield from self._fill(head)
+            if self.should_stop():
+                yield from self._emit(self.session.interrupt())
                 return
-            if len(session) == 0:
-                if feed.done:
+            if len(self.session) == 0:
+                if self.feed.done:
                     return
                 continue
-            try:
-                events = session.step()
-            except Exception as exc:  # the model failed: every record in its step ends, the run goes on
-                failed = [Error.about(live[index], failure(exc)) for index in sorted(live)]
-                live.clear()
-                with contextlib.suppress(Exception):
-                    session.close()
-                session = engine.batch(size)  # a fresh batch: the failed one's state is not to be trusted
-                yield from emit(failed)
+            yield from self._step()
+
+    def _fill(self, head: list[Record | BadRecord]) -> Iterator[Event]:
+        """Add records while a slot is free (in order, while at most 2N are unwritten): waiting for input only
+        when nothing is in flight, otherwise taking what has arrived."""
+        session, order = self.session, self.order
+        while len(session) < self.size and (order is None or len(order) < 2 * self.size):
+            item = (
+                head.pop(0) if head else self.feed.get(block=len(session) == 0, should_stop=self.should_stop)
+            )
+            if item is None:
+                return
+            if order is not None:
+                order.admit(item.index)
+            if isinstance(item, BadRecord):
+                yield from self._emit([Error.about(item, item.error)])
                 continue
-            for event in events:
-                if isinstance(event, FINAL_EVENTS):
-                    live.pop(event.index, None)
-            yield from emit(events)
-    finally:
-        session.close()
-        feed.close()
+            try:
+                session.add(item)
+                self.live[item.index] = item
+            except RecordError as exc:
+                yield from self._emit([Error.about(item, str(exc))])
+            except Exception as exc:  # as in sequential mode: one bad record does not end the job
+                yield from self._emit([Error.about(item, failure(exc))])
+
+    def _step(self) -> Iterator[Event]:
+        """One token step for every record in flight; a step that raises ends each of them with its error."""
+        try:
+            events = self.session.step()
+        except Exception as exc:  # the model failed: every record in its step ends, the run goes on
+            failed = [Error.about(self.live[index], failure(exc)) for index in sorted(self.live)]
+            self.live.clear()
+            with contextlib.suppress(Exception):
+                self.session.close()
+            self.session = self.engine.batch(self.size)  # a fresh batch: the failed one is not to be trusted
+            yield from self._emit(failed)
+            return
+        for event in events:
+            if isinstance(event, FINAL_EVENTS):
+                self.live.pop(event.index, None)
+        yield from self._emit(events)
+
+    def _emit(self, events: Iterable[Event]) -> Iterator[Event]:
+        for event in events:
+            if self.order is None:
+                yield event
+            else:
+                yield from self.order.push(event)
+
+    def close(self) -> None:
+        self.session.close()
+        self.feed.close()
 
 
 class _InputOrder:

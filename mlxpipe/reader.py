@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from typing import IO, TYPE_CHECKING, Any
 
 from . import batchapi
-from .records import BadRecord, Record, Settings, Template
+from .records import MAX_SAMPLES, BadRecord, Record, Settings, Template
 
 if TYPE_CHECKING:
     import jsonlines
@@ -139,6 +139,13 @@ def settings_from_object(obj: Mapping[str, Any], base: Settings) -> Settings:
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ValueError(f"{name!r} must be an integer in [{low}, {high}], got {_shown(obj[name])}")
             changes[name] = value
+    if "n" in obj:  # several answers (one_per_sample)
+        value = obj["n"]
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SAMPLES:
+            raise ValueError(f"'n' must be an integer in [1, {MAX_SAMPLES}], got {_shown(obj['n'])}")
+        changes["samples"] = value
     for name, (lo, hi) in _FLOAT_FIELDS.items():
         if name in obj:
             value = obj[name]
@@ -277,8 +284,15 @@ class RecordReader:
         # so each is carried by the next record (:attr:`Record.blanks`); those left at the end are trailing.
         self.blanks = 0
         self._utf16_input: str | None = None  # the input found to be UTF-16
-        # Told once that a Batch API request's 'model' is ignored (the CLI sets it to write on stderr).
+        # Told once each that a Batch API request's 'model' is ignored and that several samples at
+        # temperature 0 repeat one answer (the CLI sets it to write on stderr).
         self.notice: Callable[[str], None] | None = None
+        self._noticed: set[str] = set()
+
+    def _say_once(self, kind: str, text: str) -> None:
+        if self.notice is not None and kind not in self._noticed:
+            self._noticed.add(kind)
+            self.notice(text)
 
     def read(self, name: str, stream: IO[bytes]) -> Iterator[Record | BadRecord]:
         """Yield one :class:`Record` or :class:`BadRecord` per non-blank record of ``stream``.
@@ -331,6 +345,16 @@ class RecordReader:
 
     def parse(self, name: str, line: int, raw: bytes) -> Record | BadRecord:
         """Turn one record's bytes (separator stripped) into a record numbered ``self.count``."""
+        record = self._parse(name, line, raw)
+        if isinstance(record, Record) and record.settings.samples > 1 and record.settings.temperature == 0:
+            self._say_once(
+                "greedy samples",
+                "mlxpipe: note: several samples at temperature 0 repeat one answer (greedy decoding): give "
+                "--temp (or the record's temperature) above 0 for different ones",
+            )
+        return record
+
+    def _parse(self, name: str, line: int, raw: bytes) -> Record | BadRecord:
         index = self.count
         if _utf16(raw) or (self._utf16_input == name and b"\0" in raw):  # (its last newline's NUL half)
             self._utf16_input = name
@@ -425,12 +449,12 @@ class RecordReader:
         if "prompt" in fields:  # where the rest of the reader looks for it
             fields[self.fmt.prompt_key] = fields.pop("prompt")
         body = obj.get("body")
-        if self.notice is not None and isinstance(body, dict) and "model" in body:
-            self.notice(
+        if isinstance(body, dict) and "model" in body:
+            self._say_once(
+                "model",
                 f"mlxpipe: note: the requests' 'model' ({batchapi.short(body['model'])}) is ignored: "
-                "they are answered by the model loaded"
+                "they are answered by the model loaded",
             )
-            self.notice = None
         return fields, raw_prompt
 
 

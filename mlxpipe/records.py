@@ -6,11 +6,12 @@ read by the pipeline and the engine. A record that could not be made is a :class
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import string
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
@@ -18,7 +19,7 @@ from .errors import UsageError
 if TYPE_CHECKING:
     from .constrain import Constraint
 
-__all__ = ["BadRecord", "Record", "Settings", "Template"]
+__all__ = ["MAX_SAMPLES", "BadRecord", "Record", "Settings", "Template", "one_per_sample", "sample_seed"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Settings:
     raw: bool = False
     chat_template_args: Mapping[str, Any] = field(default_factory=dict)
     constraint: Constraint | None = None  # structured output (see mlxpipe.constrain)
+    samples: int = 1  # answers wanted (--samples, a record's "n"): see one_per_sample
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,12 @@ class Record:
     messages: tuple[Mapping[str, str], ...] | None = None
     lead: str = ""  # start of ``prompt`` shared by all records: a template's text before its first field
     blanks: int = 0  # blank records (skipped) right before this one: text output keeps their empty lines
+    sample: int | None = None  # which of its settings.samples answers this is (None: the only one)
+
+    @property
+    def samples(self) -> int:
+        """How many answers the record this one is a sample of has (1 for a record answered once)."""
+        return 1 if self.sample is None else self.settings.samples
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,47 @@ class BadRecord:
     id: Any
     error: str
     blanks: int = 0  # as Record's
+    sample: int | None = None  # a record that could not be made has one error line, no samples
+    samples: int = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Several samples per record
+
+MAX_SAMPLES = 128  # answers per record at most (OpenAI's limit of ``n``)
+
+
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed of a record's sample ``sample``: the record's own for the first, then one derived from it
+    alone, so a record's samples do not depend on its neighbours, its position or the batch size."""
+    if sample == 0:
+        return seed
+    digest = hashlib.sha256(f"mlxpipe sample {seed} {sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")  # mlx's seeds are unsigned 64-bit integers
+
+
+def one_per_sample(records: Iterable[Record | BadRecord]) -> Iterator[Record | BadRecord]:
+    """``records`` with each record that asks for N > 1 answers (``settings.samples``) as N records, one
+    per sample, in order: ``sample`` 0 to N-1, each with its own seed (:func:`sample_seed`; unseeded stays
+    unseeded). Records are numbered again so every answer has its own ``index`` (the order events are
+    written in: record, then sample); ids and everything else stay the record's. A record already split (its
+    ``sample`` set) passes as it is, so splitting twice changes nothing."""
+    shift = 0
+    for record in records:
+        if isinstance(record, BadRecord) or record.sample is not None or record.settings.samples == 1:
+            yield replace(record, index=record.index + shift) if shift else record
+            continue
+        s = record.settings
+        for k in range(s.samples):
+            seed = None if s.seed is None else sample_seed(s.seed, k)
+            yield replace(
+                record,
+                index=record.index + shift + k,
+                settings=replace(s, seed=seed) if seed != s.seed else s,
+                blanks=record.blanks if k == 0 else 0,
+                sample=k,
+            )
+        shift += s.samples - 1
 
 
 # ---------------------------------------------------------------------------------------------

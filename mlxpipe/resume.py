@@ -1,11 +1,12 @@
 """``--resume FILE``: finish a job from its own JSONL output after a crash, ``kill -9`` or Ctrl-C.
 
-FILE is the output of earlier runs of the same command (same inputs, same ``id``s). On start it is
-read once: every record whose ``id`` has a ``done`` line (finish_reason other than "interrupted") is
-skipped; the others (never reached, cut off, or failed with an ``error`` line) are run again and their
-final lines appended to FILE. So after any number of interruptions, rerunning the same command until
-it exits 0 leaves FILE with exactly one ``done`` line per record. A record's latest line is its
-result (an error line may be followed by a done line for the same ``id`` when a retry succeeds).
+FILE is the output of earlier runs of the same command (same inputs, same ``id``s). On start it is read
+once: every record whose ``id`` has a ``done`` line (finish_reason other than "interrupted") is skipped
+(with several samples, each sample whose ``id`` and ``sample`` have one; in OpenAI output, a record whose
+line, with every choice, has a response); the others (never reached, cut off, or failed with an ``error``
+line) are run again and their final lines appended to FILE. So after any number of interruptions, rerunning
+the same command until it exits 0 leaves FILE with exactly one ``done`` line per record. A record's latest
+line is its result (an error line may be followed by a done line for the same ``id`` when a retry succeeds).
 
 Each line is written with one ``write`` and is never buffered, so a kill can leave at most the last line
 torn; such a line (no final newline) is cut off here before anything is appended, but only when it is
@@ -45,6 +46,11 @@ except ImportError:  # pragma: no cover
 def record_key(rid: Any) -> str:
     """The key a record is known by in FILE: its id as JSON, so the id ``1`` and the id ``"1"`` differ."""
     return json.dumps(rid, ensure_ascii=False)
+
+
+def sample_key(rid: Any, sample: int) -> str:
+    """The key a record's sample is known by in FILE (``--samples``: each has its own done line)."""
+    return json.dumps([rid, sample], ensure_ascii=False)
 
 
 @dataclass
@@ -93,9 +99,10 @@ class ResumeFile:
         """
         self.done = set(json.loads(broadcast(json.dumps(sorted(self.done)).encode())))
 
-    def is_done(self, rid: Any) -> bool:
-        """Whether the record with id ``rid`` already has a done line in the file."""
-        return record_key(rid) in self.done
+    def is_done(self, rid: Any, sample: int | None = None) -> bool:
+        """Whether the record with id ``rid`` already has a done line in the file (its line with every
+        choice, in OpenAI output), or its sample ``sample`` one."""
+        return record_key(rid) in self.done or (sample is not None and sample_key(rid, sample) in self.done)
 
 
 class _WholeLines(io.FileIO):
@@ -168,6 +175,8 @@ def _scan(path: str) -> tuple[set[str], int, int]:
                     f"--resume file {path}:{number} is not mlxpipe JSONL output; refusing to append to it"
                 )
             if event["event"] == "done" and event.get("finish_reason") != "interrupted":
-                done.add(record_key(event.get("id")))
+                sample = event.get("sample")
+                rid = event.get("id")
+                done.add(record_key(rid) if sample is None else sample_key(rid, sample))
         size = f.seek(0, os.SEEK_END)
     return done, good_end, size

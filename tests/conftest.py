@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -157,8 +158,9 @@ class FakeEngine:
         for n, word in enumerate(words, 1):
             piece = word if n == 1 else " " + word
             text += piece
-            yield Chunk(record.index, record.id, piece, n, 100.0)
-        yield Done(record.index, record.id, text, "stop", len(words), 100.0, 3, 300.0, 1000, record.input)
+            yield Chunk(record.index, record.id, piece, n, 100.0, record.sample, record.samples)
+        done = Done(record.index, record.id, text, "stop", len(words), 100.0, 3, 300.0, 1000, record.input)
+        yield replace(done, sample=record.sample, samples=record.samples)
 
 
 @pytest.fixture

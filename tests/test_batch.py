@@ -361,7 +361,7 @@ def test_prompts_are_read_in_chunks_of_the_backends_prefill_step(engine, monkeyp
     # read long prompts faster than mlx-lm's 2048 (bench/prefill.py). Both paths get the same step.
     import mlx.core as mx
 
-    from mlxpipe.engine import engine as engine_module
+    from mlxpipe.engine import sequential as engine_module
     from mlxpipe.reader import records_from_objects
 
     assert engine.prefill_step == (256 if mx.default_device() == mx.cpu else 2048)

@@ -55,7 +55,7 @@ CASES: list[tuple[dict[str, Any], str | None]] = [
     (chat("c-4", "Say hi.", max_completion_tokens=4, temperature=0.7, top_p=0.9, seed=3, stop="x"), None),
     ({**chat("c-5", "x"), "url": "/v1/embeddings"}, "only /v1/chat/completions and /v1/completions"),
     ({**chat("c-6", "x"), "method": "GET"}, "only POST"),
-    (chat("c-7", "x", n=2), "'body.n' 2 is not supported"),
+    (chat("c-7", "x", n=0), "'n' must be an integer in [1, 128]"),
     (chat("c-8", "x", tools=[{"type": "function", "function": {"name": "f"}}]), "'body.tools'"),
     (chat("c-9", "x", logit_bias={"50256": -100}), "'body.logit_bias'"),
     (chat("c-1", "duplicate"), "ids must be unique"),

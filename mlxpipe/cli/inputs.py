@@ -46,6 +46,7 @@ _SETTING_FLAGS = {
     "min_p": "--min-p",
     "seed": "--seed",
     "stop": "--stop",
+    "n": "--samples",
 }
 MAX_REPETITION_PENALTY = 100.0
 
@@ -62,7 +63,7 @@ def check(args: argparse.Namespace) -> None:
             flag = "FILE" if dest == "files" else "--" + dest.replace("_", "-")
             raise UsageError(f"{flag} is not valid UTF-8 text (it holds the byte \\x{byte:02x})")
     given = {"max_tokens": args.max_tokens, "temperature": args.temp, "top_p": args.top_p}
-    given |= {"top_k": args.top_k, "min_p": args.min_p}
+    given |= {"top_k": args.top_k, "min_p": args.min_p, "n": args.samples}
     if args.seed is not None:
         given["seed"] = args.seed
     if args.stop is not None:
@@ -276,6 +277,7 @@ def settings(args: argparse.Namespace, constraint: Constraint | None) -> Setting
         raw=args.raw,
         chat_template_args=args.chat_template_args or {},
         constraint=constraint,
+        samples=args.samples,
     )
 
 

@@ -65,9 +65,11 @@ def chat_wanted(args: argparse.Namespace, interactive: bool) -> bool:
     (unless ``--raw``: a conversation needs the chat template). Raises :class:`UsageError` for what cannot go
     with one."""
     if args.chat is None:
-        return interactive and not args.raw
+        return interactive and not args.raw and args.samples == 1
     if not args.chat:
         return False
+    if args.samples > 1:
+        raise UsageError("--chat answers each turn once: it cannot be used with --samples")
     if args.raw:
         raise UsageError("--chat needs the model's chat template: it cannot be used with --raw")
     if args.in_format != "lines":

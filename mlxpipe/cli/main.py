@@ -23,7 +23,7 @@ from .. import launcher
 from ..errors import ModelError, UsageError
 from ..events import Done, Error, Event
 from ..reader import InputFormat, RecordReader, unique_ids
-from ..records import BadRecord, Record
+from ..records import BadRecord, Record, one_per_sample
 from ..resume import ResumeFile
 from . import inputs, interactive
 from .advice import advice
@@ -319,7 +319,7 @@ def _stats(job: _Job, seconds: float) -> int | None:
 
 def _records(job: _Job, reader: RecordReader, resume: ResumeFile | None) -> Iterator[Record | BadRecord]:
     """The run's records: -p prompts, --slurp documents or the inputs' records; turns of a conversation
-    with --chat; less those --resume has done."""
+    with --chat; one per sample; less those --resume has done."""
     args = job.args
     records = inputs.records(
         args.files, reader, private_stdin=args.batch > 1, prompts=args.prompt, slurp=args.slurp
@@ -328,8 +328,9 @@ def _records(job: _Job, reader: RecordReader, resume: ResumeFile | None) -> Iter
         records = unique_ids(records)
     if job.conversation is not None:
         records = job.conversation.turns(records)
+    records = one_per_sample(records)  # here, so --resume skips a done sample and every rank splits alike
     if resume is not None:  # an error line is never skipped: it may be a refused duplicate of a done id
-        records = (r for r in records if isinstance(r, BadRecord) or not resume.is_done(r.id))
+        records = (r for r in records if isinstance(r, BadRecord) or not resume.is_done(r.id, r.sample))
     return _noting_blanks(job, records)
 
 
@@ -352,6 +353,7 @@ def _renderer(args: argparse.Namespace, resume: ResumeFile | None, constraint: C
         null=args.null,
         name="stdout" if resume is None else f"--resume file {args.resume}",
         openai_model=_model_name(args) if args.out_format == "openai" else None,
+        samples=args.samples,
     )
 
 

@@ -230,6 +230,23 @@ OPTIONS: tuple[Option, ...] = (
         metavar="N",
         type=seed_int,
     ),
+    Option(
+        ("--samples",),
+        "generation",
+        "Answer each record N times, each sample with its own seed derived from the record's (a JSONL "
+        "record's own 'n', an OpenAI request's 'body.n', overrides it). JSONL events carry 'sample' (0 to "
+        "N-1), --out openai gives one line with N choices, and text output gives each sample as an answer "
+        "of its own, in a row (default: 1).",
+        metavar="N",
+        type=positive_int,
+        default=1,
+        man="A record's samples are in order, after each other, and do not depend on its neighbours or "
+        "the batch size; they share the record's prompt, read once. At temperature 0 (the default) every "
+        "sample is the same greedy answer: mlxpipe answers them and says so once on standard error. With "
+        "--one-line or -z, output line i*N + s is input line i's sample s (a blank input line gives N "
+        "empty lines). With --resume, each sample is done on its own (--out jsonl), or the record once its "
+        "line with every choice is written (--out openai). Not with --chat.",
+    ),
     Option(("-s", "--system"), "generation", "System prompt for the chat template.", metavar="TEXT"),
     Option(
         ("--raw",), "generation", "Send the prompt verbatim, without the chat template.", action="store_true"

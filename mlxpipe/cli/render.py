@@ -77,6 +77,36 @@ def _plural(count: int, noun: str) -> str:
 _NEWLINES = re.compile(r"[\r\n]+")
 
 
+class _Samples:
+    """A record's final events, one per sample, gathered for its one OpenAI output line (by id: ids are
+    unique there). A failed or interrupted sample makes the line an error at once; the record's later
+    samples are then dropped."""
+
+    def __init__(self) -> None:
+        self._held: dict[Any, list[Done | Error]] = {}
+        self._seen: dict[Any, int] = {}  # samples ended, of records whose error line is written
+
+    def add(self, event: Done | Error) -> list[Done | Error] | None:
+        """Take one final event; the record's events, sample 0 first, once its line is to be written."""
+        if event.sample is None:
+            return [event]
+        rid = event.id
+        if rid in self._seen:  # its line is written
+            self._seen[rid] += 1
+            if self._seen[rid] == event.samples:
+                del self._seen[rid]
+            return None
+        held = self._held.setdefault(rid, [])
+        held.append(event)
+        failed = isinstance(event, Error) or event.finish_reason == "interrupted"
+        if failed or len(held) == event.samples:
+            del self._held[rid]
+            if len(held) < event.samples:
+                self._seen[rid] = len(held)
+            return [event] if failed else sorted(held, key=lambda e: e.sample or 0)
+        return None
+
+
 class Renderer:
     """Writes events to stdout (or ``--resume``'s FILE, named ``name``) as text or JSONL.
 
@@ -94,9 +124,12 @@ class Renderer:
         null: bool,
         name: str = "stdout",
         openai_model: str | None = None,
+        samples: int = 1,
     ) -> None:
         self.out = out
         self.openai_model = openai_model  # OpenAI Batch API output lines, naming this model
+        self._gathered = _Samples()  # OpenAI output: a record's samples, until its one line can be written
+        self.samples = samples  # --samples: answers per record, so per blank input line in aligned text
         self.name = name
         self.jsonl = jsonl
         self.stream = stream
@@ -105,8 +138,9 @@ class Renderer:
 
     def write(self, event: Event) -> None:
         if self.openai_model is not None:
-            if not isinstance(event, Chunk):
-                self._emit(dumps(self._openai(event)).encode() + b"\n")
+            answers = None if isinstance(event, Chunk) else self._gathered.add(event)
+            if answers:
+                self._emit(dumps(self._openai(answers)).encode() + b"\n")
         elif self.jsonl:
             if self.stream or not isinstance(event, Chunk):
                 self._emit(event.to_json().encode() + b"\n")
@@ -118,16 +152,18 @@ class Renderer:
         else:  # a failed record still gets its (empty) line, so output line N answers input line N
             self._emit(self.end)
 
-    def _openai(self, event: Done | Error) -> dict[str, Any]:
-        """A final event as a Batch API output line; an interrupted answer is an error (it is not whole)."""
+    def _openai(self, answers: list[Done | Error]) -> dict[str, Any]:
+        """A record's final events (one per sample) as a Batch API output line: an error when one failed or
+        was interrupted (an answer cut short is not whole)."""
         assert self.openai_model is not None
+        event = answers[-1]
         if isinstance(event, Error):
             message = f"{event.error} (at {event.file}:{event.line})"
             return batchapi.error_line(event.id, "mlxpipe_error", message, event.index)
         if event.finish_reason == "interrupted":
             message = "interrupted: SIGINT, SIGTERM or SIGHUP ended the answer early"
             return batchapi.error_line(event.id, "interrupted", message, event.index)
-        return batchapi.response_line(event, self.openai_model, event.index)
+        return batchapi.response_line(answers, self.openai_model, answers[0].index)
 
     @property
     def aligned(self) -> bool:
@@ -137,7 +173,7 @@ class Renderer:
     def blank_lines(self, count: int) -> None:
         """The empty lines of ``count`` blank input records (not records), when output is :attr:`aligned`."""
         if count and self.aligned:
-            self._emit(self.end * count)
+            self._emit(self.end * count * self.samples)  # output line i*N + s: input line i's sample s
 
     def _text(self, text: str) -> str:
         if self.end == b"\0":  # a NUL in an answer would split its record in two

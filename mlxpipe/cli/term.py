@@ -111,8 +111,8 @@ class Progress:
         now = time.perf_counter()
         tokens = self.tokens_done + sum(self.in_flight.values())
         self.bar.set_postfix_str(f"{tokens / max(now - self.started, 1e-9):.1f} tok/s", refresh=False)
-        if not isinstance(event, Chunk):
-            self.bar.update(1)  # tqdm redraws, rate-limited
+        if not isinstance(event, Chunk) and (event.sample is None or event.sample == event.samples - 1):
+            self.bar.update(1)  # a record's last answer (tqdm redraws, rate-limited)
         elif now - self.drawn >= _REDRAW_SECONDS:
             self.drawn = now
             self.bar.refresh()

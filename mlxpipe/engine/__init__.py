@@ -1,7 +1,9 @@
 """The engine: the only room that runs mlx-lm. Records in, typed events (:mod:`mlxpipe.events`) out.
 
 - :mod:`.engine`: :class:`Engine`: load a model, answer one record (``generate``) or open a batch.
-- :mod:`.batch`: :class:`Batch`: many records at once through mlx-lm's ``BatchGenerator``.
+- :mod:`.kit`: :class:`Kit`, what the ways of answering below are handed (the engine is one).
+- :mod:`.sequential`: one record at a time; :mod:`.batch`: :class:`Batch`, many records at once through
+  mlx-lm's ``BatchGenerator``.
 - :mod:`.prompts`: a record → prompt tokens (chat template, context checks); :mod:`.prefix`: shared prefixes'
   KV caches.
 - :mod:`.sampling`: samplers, logits processors, stop strings; :mod:`.choices`: choice lists scored.

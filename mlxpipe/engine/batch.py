@@ -1,7 +1,11 @@
 """Many records generating together through mlx-lm's ``BatchGenerator`` (continuous batching).
 
 Each record keeps what the sequential path gives it (its own detokenizer, sampler, processors, max tokens,
-stop strings and counts), so its events have the same form as :meth:`.engine.Engine.generate`'s.
+stop strings and counts), so its events have the same form as :func:`.sequential.answer`'s. Where mlx-lm's
+batch would do more work than the answers need: a greedy batch's step takes the logits' argmax with no
+log-softmax (:class:`_ArgmaxSteps`); an ended record's row, KV cache included, is taken by the next record
+instead of every cache being copied as records leave and join (:class:`_TakenRows`); a joining record's
+last prompt token is read in the batch's next step, not in a step of its own (:class:`_Primed`).
 """
 
 from __future__ import annotations
@@ -13,23 +17,22 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.sample_utils import greedy_sampler
 
 from ..errors import RecordError
 from ..events import Chunk, Done, Error, decode_tps
 from ..records import Record
 from .choices import choose
 from .generate import greedy_argmax
+from .kit import Kit
 from .sampling import StopStrings
 from .tokenizer import finalize_whole
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
 __all__ = ["AUTO_CPU", "AUTO_GPU", "CPU_KV_STEP", "Batch", "auto_size"]
 
-# --batch auto's sizes per backend: the CPU's the fastest of bench/throughput.py's sizes, also beside a busy
-# process (bench/contention.py; issue 19 in bench/RESULTS.md), the GPU's where issue 10's H200 runs had
-# batching well past its single stream.
+# --batch auto's sizes per backend: past them throughput stops growing (bench/throughput.py, also beside a
+# busy process on a CPU).
 AUTO_CPU = 64
 AUTO_GPU = 64
 _PROMPT_ALLOWANCE = 512  # prompt tokens assumed per record when sizing the KV caches
@@ -55,8 +58,8 @@ def auto_size(model: Any, max_tokens: int, free_memory: int | None, on_gpu: bool
     return size, why
 
 
-# A batch's KV caches on a CPU grow by this many positions (mlx-lm's 256 made every right-padded prefill
-# allocate, copy and roll ~4x the buffer it needs: bench/RESULTS.md, issue 19).
+# A batch's KV caches on a CPU grow by this many positions: with mlx-lm's 256 every right-padded prefill
+# allocates, copies and rolls several times the buffer it needs.
 CPU_KV_STEP = 64
 
 
@@ -139,220 +142,242 @@ def _prompt_batch() -> Any:
     return _Prompts, _Primed
 
 
+if TYPE_CHECKING:  # what the mixins below extend: mlx-lm's decoding batch (imported when batching only)
+    from mlx_lm.generate import GenerationBatch as _Decoding
+else:
+    _Decoding = object
+
+
+class _TakenRows(_Decoding):
+    """mlx-lm's decoding batch, whose ended records leave their rows in place (uid ``None``: computed,
+    never reported) for the next records to take: mlx-lm's ``filter`` and ``extend`` copy every layer's KV
+    cache each time a record ends or joins. Once an eighth of the rows have stayed free for ``STALE_STEPS``
+    steps (the end of the input), or before a step that would run a free row's sampler or processors, the
+    free rows are dropped with mlx-lm's ``filter``. A record's numbers depend neither on its row nor on its
+    neighbours. A joining record's prompt's last token is read in the batch's next step (it is *priming*).
+    """
+
+    STALE_STEPS = 4
+    PADDING_CUT = 32  # positions: a cut copies every KV cache, as a filter does
+    primed_type: type = type(None)  # the batches whose records join priming (set by _greedy_batch)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._steps = 0
+        self._freed: dict[int, int] = {}  # free row → the step it was freed at
+        self._priming: set[int] = set()  # records whose next input is their prompt's last token
+
+    def __len__(self) -> int:
+        return sum(uid is not None for uid in self.uids)
+
+    def end(self, uids: set[int]) -> list[int]:
+        """Free the rows of these records (an early stop, an interrupt); the uids found here."""
+        found = []
+        for i, uid in enumerate(self.uids):
+            if uid in uids:
+                found.append(uid)
+                self._free(i)
+        return found
+
+    def _free(self, row: int) -> None:
+        b: Any = self  # mlx-lm types uids as list[int]; a free row's is None
+        self._priming.discard(b.uids[row])
+        b.uids[row] = None
+        self._freed[row] = self._steps
+
+    def compact(self) -> None:
+        """Drop the free rows (mlx-lm's filter: a copy of every KV cache)."""
+        live = [i for i, uid in enumerate(self.uids) if uid is not None]
+        if len(live) < len(self.uids):
+            super().filter(live)
+        self._freed.clear()
+
+    def next(self) -> list[Any]:
+        # mlx-lm's GenerationBatch.next, with free rows skipped and ended rows freed, not filtered out
+        b: Any = self
+        if self._freed:
+            stale = sum(self._steps - at > self.STALE_STEPS for at in self._freed.values())
+            if len(self) == 0 or 8 * stale >= len(b.uids) or not b._only_argmax():  # (_ArgmaxSteps's)
+                self.compact()
+        if not b.uids:
+            return []
+        tokens, logprobs = self._step()
+        self._steps += 1
+        responses = []
+        for i, uid in enumerate(b.uids):
+            if uid is None:
+                continue
+            if uid in self._priming:  # this step read its prompt's last token: its first token is next
+                self._priming.discard(uid)
+                continue
+            responses.append(self._response(i, tokens[i], logprobs[i]))
+            if responses[-1].finish_reason is not None:
+                self._free(i)
+        return responses
+
+    def _response(self, row: int, token: int, logprobs: mx.array) -> Any:
+        """Row ``row``'s record's token, counted, and whether it ends the record (as mlx-lm's next)."""
+        b: Any = self
+        finish_reason = None
+        b._num_tokens[row] += 1
+        if b._num_tokens[row] >= b.max_tokens[row]:
+            finish_reason = "length"
+        if b._matchers[row].advance(token):
+            finish_reason = "stop"
+        return b.Response(
+            uid=b.uids[row],
+            token=token,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            prompt_cache=None,
+            all_tokens=b.tokens[row] if finish_reason else None,
+        )
+
+    def extend(self, batch: Any) -> None:
+        uids: list[int] = batch.uids
+        free = sorted(self._freed)
+        # (no live row: mlx-lm's filter drops them all and its extend takes the new caches, no copy)
+        if len(self) and batch.uids and len(free) >= len(batch.uids) and self._fits(batch):
+            self._place(free[: len(batch.uids)], batch)
+        else:
+            self.compact()
+            super().extend(batch)  # type: ignore[no-untyped-call]
+        if isinstance(batch, self.primed_type):  # its records' prompts' last tokens are still to be read
+            self._priming.update(uids)
+
+    def _fits(self, batch: Any) -> bool:
+        """Whether ``batch``'s records can be put into free rows: every list one per row, and KV caches of
+        mlx-lm's plain batch kind no longer than this batch's."""
+        b: Any = self
+        rows = len(b.uids)
+        mine = (b.tokens, b.samplers, b.logits_processors, b.max_tokens, b.stop_sequences, b._next_logprobs)
+        theirs = (batch.samplers, batch.logits_processors, batch._next_logprobs)
+        return (
+            all(len(x) == rows for x in mine)
+            and all(len(x) == len(batch.uids) for x in theirs)
+            and len(b.prompt_cache) == len(batch.prompt_cache) > 0
+            and all(
+                _plain_kv(c) and _plain_kv(o) and o._idx <= c._idx
+                for c, o in zip(b.prompt_cache, batch.prompt_cache, strict=True)
+            )
+        )
+
+    def _place(self, rows: list[int], batch: Any) -> None:
+        """Put ``batch``'s records into the free ``rows``: each layer's keys and values right-justified
+        at the write position (the positions before it masked as left padding), as mlx-lm's extend
+        right-justifies them."""
+        b: Any = self
+        at = mx.array(rows)
+        for c, o in zip(b.prompt_cache, batch.prompt_cache, strict=True):
+            n, start = o._idx, c._idx - o._idx
+            c.keys[at, :, start : c._idx, :] = o.keys[..., :n, :]
+            c.values[at, :, start : c._idx, :] = o.values[..., :n, :]
+            # fresh arrays: RoPE's table keeps the offsets array it last saw by identity
+            offset, left = mx.array(c.offset), mx.array(c.left_padding)
+            offset[at] = o.offset
+            left[at] = o.left_padding + start
+            c.offset, c.left_padding = offset, left
+        tokens = mx.array(b._next_tokens)
+        tokens[at] = batch._next_tokens.astype(tokens.dtype)
+        b._next_tokens = tokens
+        for j, i in enumerate(rows):
+            del self._freed[i]
+            for name in _PER_ROW:
+                getattr(b, name)[i] = getattr(batch, name)[j]
+        self._drop_common_padding()
+
+    def _drop_common_padding(self) -> None:
+        """Cut the positions that every record's row pads (mlx-lm's filter does it as rows leave): else
+        each wave of records would lengthen every later step's attention."""
+        b: Any = self
+        padding = b.prompt_cache[0].left_padding.tolist()
+        cut = min(p for p, uid in zip(padding, b.uids, strict=True) if uid is not None)
+        if cut < self.PADDING_CUT:
+            return
+        for c in b.prompt_cache:
+            c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
+            c._idx -= cut
+            c.left_padding = mx.maximum(c.left_padding - cut, 0)  # a free row's: masks nothing it needs
+            c.offset = mx.minimum(c.offset, c._idx)  # a free row's position stays inside RoPE's table
+
+
+# What a record keeps in each row of mlx-lm's decoding batch: moved into a free row when it joins.
+_PER_ROW = (
+    "uids",
+    "tokens",
+    "samplers",
+    "logits_processors",
+    "max_tokens",
+    "stop_sequences",
+    "_next_logprobs",
+    "_token_context",
+    "_num_tokens",
+    "_matchers",
+)
+
+
+def _plain_kv(cache: Any) -> bool:
+    """A KV cache of mlx-lm's plain batch kind, holding keys (rows can be copied into it)."""
+    return type(cache) is BatchKVCache and cache.keys is not None
+
+
+class _ArgmaxSteps(_Decoding):
+    """mlx-lm's decoding batch, whose steps skip the log-softmax over the vocabulary while every row is
+    greedy with no logits processor: the argmax of the logits is the argmax of the log-probabilities, and
+    no event carries log-probabilities. Any other batch steps as mlx-lm's does."""
+
+    argmax: Callable[[mx.array], mx.array] = staticmethod(greedy_argmax)  # the engine's (Batch sets it)
+
+    def _only_argmax(self) -> bool:
+        """Every row greedy with no logits processor: a step needs only the logits' argmax."""
+        b: Any = self
+        return (
+            bool(b.samplers) and not any(b.logits_processors) and all(s is greedy_sampler for s in b.samplers)
+        )
+
+    def _step(self) -> tuple[list[int], list[mx.array]]:
+        b: Any = self  # mlx-lm's attributes, typed loosely there
+        if not GREEDY_ARGMAX or not self._only_argmax():
+            return super()._step()
+        # mlx-lm's GenerationBatch._step without the logsumexp, which costs a large part of a CPU step
+        b._current_tokens = b._next_tokens
+        b._current_logprobs = b._next_logprobs
+        inputs = b._current_tokens
+        b._next_tokens = self.argmax(self._logits(inputs))
+        b._next_logprobs = [_NO_LOGPROBS] * len(b.uids)
+        # mlx-lm's order: start computing the next step, then wait for this one's tokens
+        mx.async_eval(b._next_tokens)  # type: ignore[no-untyped-call]
+        mx.eval(inputs, b._current_logprobs)
+        tokens: list[int] = inputs.tolist()
+        for seen, token in zip(b.tokens, tokens, strict=True):
+            seen.append(token)
+        return tokens, b._current_logprobs
+
+    def _logits(self, inputs: mx.array) -> mx.array:
+        """The model's last logits for one token per row. Every layer's cache has the same positions (they
+        step together): the CPU's RoPE gathers its rows once a step for the caches naming them alike
+        (mlxpipe.cpu.layers.SAME_POSITIONS), not per layer."""
+        b: Any = self
+        same = object()
+        for c in b.prompt_cache:
+            c.same_positions = same
+        try:
+            logits: mx.array = b.model(inputs[:, None], cache=b.prompt_cache)[:, -1, :]
+        finally:
+            for c in b.prompt_cache:
+                c.same_positions = None
+        return logits
+
+
 @functools.cache
 def _greedy_batch() -> Any:
-    """The class below, made on first use: ``mlx_lm.generate`` imports transformers (only when batching)."""
+    """The batch every decoding row joins: mlx-lm's ``GenerationBatch`` with :class:`_TakenRows` and
+    :class:`_ArgmaxSteps`, made on first use (``mlx_lm.generate`` imports transformers: only when
+    batching)."""
     from mlx_lm.generate import GenerationBatch
-    from mlx_lm.models.cache import BatchKVCache
-    from mlx_lm.sample_utils import greedy_sampler
 
-    primed_type = _prompt_batch()[1]
-
-    class _Greedy(GenerationBatch):
-        """mlx-lm's decoding batch, whose steps skip the log-softmax over the vocabulary while every row
-        is greedy with no logits processor: the argmax of the logits is the argmax of the log-probabilities,
-        and no event carries log-probabilities. Any other batch steps as mlx-lm's does.
-
-        A record that ends leaves its row in place (uid ``None``: computed, never reported) for the next
-        record to take: mlx-lm's ``filter`` and ``extend`` copy every layer's KV cache, ~60 and ~110 ms at
-        64 rows on a CPU, each time a record ends or joins. Once an eighth of the rows have stayed free for
-        ``STALE_STEPS`` steps (the end of the input), or before a step that would run a free row's sampler
-        or processors, the free rows are dropped with mlx-lm's ``filter``. A record's numbers depend neither
-        on its row nor on its neighbours.
-        """
-
-        STALE_STEPS = 4
-        PADDING_CUT = 32  # positions: a cut copies every KV cache, as a filter does
-        argmax: Callable[[mx.array], mx.array] = staticmethod(greedy_argmax)  # the engine's (Batch sets it)
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._steps = 0
-            self._freed: dict[int, int] = {}  # free row → the step it was freed at
-            self._priming: set[int] = set()  # records whose next input is their prompt's last token
-
-        def __len__(self) -> int:
-            return sum(uid is not None for uid in self.uids)
-
-        def end(self, uids: set[int]) -> list[int]:
-            """Free the rows of these records (an early stop, an interrupt); the uids found here."""
-            found = []
-            for i, uid in enumerate(self.uids):
-                if uid in uids:
-                    found.append(uid)
-                    self._free(i)
-            return found
-
-        def _free(self, row: int) -> None:
-            b: Any = self  # mlx-lm types uids as list[int]; a free row's is None
-            self._priming.discard(b.uids[row])
-            b.uids[row] = None
-            self._freed[row] = self._steps
-
-        def compact(self) -> None:
-            """Drop the free rows (mlx-lm's filter: a copy of every KV cache)."""
-            live = [i for i, uid in enumerate(self.uids) if uid is not None]
-            if len(live) < len(self.uids):
-                super().filter(live)
-            self._freed.clear()
-
-        def _only_argmax(self) -> bool:
-            """Every row greedy with no logits processor: a step needs only the logits' argmax."""
-            b: Any = self
-            return (
-                bool(b.samplers)
-                and not any(b.logits_processors)
-                and all(s is greedy_sampler for s in b.samplers)
-            )
-
-        def next(self) -> list[Any]:
-            # mlx-lm's GenerationBatch.next, with free rows skipped and ended rows freed, not filtered out
-            b: Any = self
-            if self._freed:
-                stale = sum(self._steps - at > self.STALE_STEPS for at in self._freed.values())
-                if len(self) == 0 or 8 * stale >= len(b.uids) or not self._only_argmax():
-                    self.compact()
-            if not b.uids:
-                return []
-            tokens, logprobs = self._step()
-            self._steps += 1
-            responses = []
-            for i, uid in enumerate(b.uids):
-                if uid is None:
-                    continue
-                if uid in self._priming:  # this step read its prompt's last token: its first token is next
-                    self._priming.discard(uid)
-                    continue
-                finish_reason = None
-                b._num_tokens[i] += 1
-                if b._num_tokens[i] >= b.max_tokens[i]:
-                    finish_reason = "length"
-                if b._matchers[i].advance(tokens[i]):
-                    finish_reason = "stop"
-                responses.append(
-                    b.Response(
-                        uid=uid,
-                        token=tokens[i],
-                        logprobs=logprobs[i],
-                        finish_reason=finish_reason,
-                        prompt_cache=None,
-                        all_tokens=b.tokens[i] if finish_reason else None,
-                    )
-                )
-                if finish_reason is not None:
-                    self._free(i)
-            return responses
-
-        def extend(self, batch: Any) -> None:
-            free = sorted(self._freed)
-            # (no live row: mlx-lm's filter drops them all and its extend takes the new caches, no copy)
-            if len(self) and batch.uids and len(free) >= len(batch.uids) and self._fits(batch):
-                self._place(free[: len(batch.uids)], batch)
-            else:
-                self.compact()
-                super().extend(batch)  # type: ignore[no-untyped-call]
-            if isinstance(batch, primed_type):
-                self._priming.update(batch.uids)
-
-        def _fits(self, batch: Any) -> bool:
-            b: Any = self
-            rows = len(b.uids)
-            mine = (
-                b.tokens,
-                b.samplers,
-                b.logits_processors,
-                b.max_tokens,
-                b.stop_sequences,
-                b._next_logprobs,
-            )
-            theirs = (batch.samplers, batch.logits_processors, batch._next_logprobs)
-            return (
-                all(len(x) == rows for x in mine)
-                and all(len(x) == len(batch.uids) for x in theirs)
-                and len(b.prompt_cache) == len(batch.prompt_cache) > 0
-                and all(
-                    type(c) is BatchKVCache
-                    and type(o) is BatchKVCache
-                    and c.keys is not None
-                    and o.keys is not None
-                    and o._idx <= c._idx
-                    for c, o in zip(b.prompt_cache, batch.prompt_cache, strict=True)
-                )
-            )
-
-        def _place(self, rows: list[int], batch: Any) -> None:
-            """Put ``batch``'s records into the free ``rows``: each layer's keys and values right-justified
-            at the write position (the positions before it masked as left padding), as mlx-lm's extend
-            right-justifies them."""
-            b: Any = self
-            at = mx.array(rows)
-            for c, o in zip(b.prompt_cache, batch.prompt_cache, strict=True):
-                n, start = o._idx, c._idx - o._idx
-                c.keys[at, :, start : c._idx, :] = o.keys[..., :n, :]
-                c.values[at, :, start : c._idx, :] = o.values[..., :n, :]
-                # fresh arrays: RoPE's table keeps the offsets array it last saw by identity
-                offset, left = mx.array(c.offset), mx.array(c.left_padding)
-                offset[at] = o.offset
-                left[at] = o.left_padding + start
-                c.offset, c.left_padding = offset, left
-            tokens = mx.array(b._next_tokens)
-            tokens[at] = batch._next_tokens.astype(tokens.dtype)
-            b._next_tokens = tokens
-            for j, i in enumerate(rows):
-                del self._freed[i]
-                b.uids[i] = batch.uids[j]
-                b.tokens[i] = batch.tokens[j]
-                b.samplers[i] = batch.samplers[j]
-                b.logits_processors[i] = batch.logits_processors[j]
-                b.max_tokens[i] = batch.max_tokens[j]
-                b.stop_sequences[i] = batch.stop_sequences[j]
-                b._next_logprobs[i] = batch._next_logprobs[j]
-                b._token_context[i] = batch._token_context[j]
-                b._num_tokens[i] = batch._num_tokens[j]
-                b._matchers[i] = batch._matchers[j]
-            self._drop_common_padding()
-
-        def _drop_common_padding(self) -> None:
-            """Cut the positions that every record's row pads (mlx-lm's filter does it as rows leave): else
-            each wave of records would lengthen every later step's attention."""
-            b: Any = self
-            padding = b.prompt_cache[0].left_padding.tolist()
-            cut = min(p for p, uid in zip(padding, b.uids, strict=True) if uid is not None)
-            if cut < self.PADDING_CUT:
-                return
-            for c in b.prompt_cache:
-                c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
-                c._idx -= cut
-                c.left_padding = mx.maximum(c.left_padding - cut, 0)  # a free row's: masks nothing it needs
-                c.offset = mx.minimum(c.offset, c._idx)  # a free row's position stays inside RoPE's table
-
-        def _step(self) -> tuple[list[int], list[mx.array]]:
-            b: Any = self  # mlx-lm's attributes, typed loosely there
-            if not GREEDY_ARGMAX or not self._only_argmax():
-                return super()._step()
-            # mlx-lm's GenerationBatch._step without the logsumexp (20-90 ms a step at 16-64 rows on a CPU)
-            b._current_tokens = b._next_tokens
-            b._current_logprobs = b._next_logprobs
-            inputs = b._current_tokens
-            # Every layer's cache has the same positions (they step together): the CPU's RoPE gathers its rows
-            # once a step for the caches naming them alike (mlxpipe.cpu.layers.SAME_POSITIONS), not per layer.
-            same = object()
-            for c in b.prompt_cache:
-                c.same_positions = same
-            try:
-                logits = b.model(inputs[:, None], cache=b.prompt_cache)[:, -1, :]
-            finally:
-                for c in b.prompt_cache:
-                    c.same_positions = None
-            b._next_tokens = self.argmax(logits)
-            b._next_logprobs = [_NO_LOGPROBS] * len(b.uids)
-            # mlx-lm's order: start computing the next step, then wait for this one's tokens
-            mx.async_eval(b._next_tokens)  # type: ignore[no-untyped-call]
-            mx.eval(inputs, b._current_logprobs)
-            tokens: list[int] = inputs.tolist()
-            for seen, token in zip(b.tokens, tokens, strict=True):
-                seen.append(token)
-            return tokens, b._current_logprobs
+    class _Greedy(_TakenRows, _ArgmaxSteps, GenerationBatch):
+        primed_type = _prompt_batch()[1]
 
     return _Greedy
 
@@ -381,7 +406,7 @@ class Batch:
     then one done). Each record keeps its own detokenizer, sampler, stop strings, max tokens and counts.
     """
 
-    def __init__(self, engine: Engine, size: int) -> None:
+    def __init__(self, engine: Kit, size: int) -> None:
         self.engine = engine
         self.size = size
         from mlx_lm.generate import BatchGenerator  # imports transformers: only when batching
@@ -505,7 +530,7 @@ class Batch:
         events: list[Chunk | Done | Error] = []
         if segment:
             slot.text.append(segment)
-            events.append(Chunk(rec.index, rec.id, segment, slot.tokens, tps))
+            events.append(Chunk(rec.index, rec.id, segment, slot.tokens, tps, rec.sample, rec.samples))
         if finish is not None:
             del self._slots[uid]
             if finish == "length" and slot.context_bound:
@@ -528,6 +553,8 @@ class Batch:
                     peak_memory=int(mx.get_peak_memory()),
                     input=rec.input,
                     **extra,
+                    sample=rec.sample,
+                    samples=rec.samples,
                 )
             )
         return events

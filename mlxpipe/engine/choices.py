@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..events import Chunk, Done
 from ..records import Record
+from .kit import Kit
 from .prefix import prefill
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 __all__ = ["choose", "label_logprobs"]
 
@@ -22,7 +20,7 @@ _CHOICES_STEP = 512  # prompt tokens per pass at most, when scoring (bounds atte
 
 
 def label_logprobs(
-    engine: Engine,
+    engine: Kit,
     prompt: list[int],
     labels: tuple[str, ...],
     cache: list[Any] | None = None,
@@ -51,7 +49,7 @@ def label_logprobs(
     return scores
 
 
-def choose(engine: Engine, record: Record, tokens: list[int]) -> Iterator[Chunk | Done]:
+def choose(engine: Kit, record: Record, tokens: list[int]) -> Iterator[Chunk | Done]:
     """Answer a choice-list record by scoring every label (see :mod:`mlxpipe.events`).
 
     The answer is the most probable label (temperature 0), or one drawn from the label probabilities
@@ -78,7 +76,7 @@ def choose(engine: Engine, record: Record, tokens: list[int]) -> Iterator[Chunk 
     count = len(encode(label, add_special_tokens=False))
     scored = sum(len(encode(x, add_special_tokens=False)) for x in labels)
     tps = (len(tokens) + scored) / seconds if seconds > 0 else 0.0
-    yield Chunk(record.index, record.id, label, count, tps)
+    yield Chunk(record.index, record.id, label, count, tps, record.sample, record.samples)
     yield Done(
         index=record.index,
         id=record.id,
@@ -91,4 +89,6 @@ def choose(engine: Engine, record: Record, tokens: list[int]) -> Iterator[Chunk 
         peak_memory=int(mx.get_peak_memory()),
         input=record.input,
         choices=normalized(logprobs),
+        sample=record.sample,
+        samples=record.samples,
     )

@@ -11,9 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +21,11 @@ from mlx_lm.models import llama
 from .. import models
 from ..cpu import blas, gemv, kernels, layers, memory, quantized
 from ..errors import ModelError, first_line
-from ..events import Chunk, Done, decode_tps
+from ..events import Chunk, Done
 from ..paths import cache_dir
 from ..records import Record
 from . import loader, sampling
 from .batch import Batch, auto_size
-from .choices import choose
 from .constraints import Constraints
 from .dtype import (
     STORED_VERSION,
@@ -40,9 +37,10 @@ from .dtype import (
     dequantize_layers,
     is_quantized,
 )
-from .generate import generation_stream, greedy_argmax, stream_generate
+from .generate import generation_stream, greedy_argmax
 from .prefix import PrefixCache
 from .prompts import Prompts
+from .sequential import answer
 
 __all__ = ["Engine"]
 
@@ -93,7 +91,7 @@ class Engine:
         self.reuse_prefix = True
         self.prefill_step = _CPU_PREFILL_STEP if accelerator() is None else _GPU_PREFILL_STEP
         self.prompts = Prompts(tokenizer, self.context_length)
-        self.prefixes = PrefixCache(model, self.prefill_step, self._prefix_file)
+        self.prefixes = PrefixCache(model, self.prefill_step, _prefix_files(self))
         self.constraints = Constraints(tokenizer)
         self.vocab_size = len(tokenizer)
         # We check prompt length against the context ourselves, on the record's error line; the
@@ -127,13 +125,8 @@ class Engine:
         # file is read on a thread from here on, while the model is built and the tokenizer parsed.
         tag = f"float32-{STORED_VERSION}-mlx{getattr(mx, '__version__', '')}.safetensors"
         path = models.derived_file(folder, tag)
-        kept = (
-            KeptFile(path)
-            if path is not None
-            and accelerator() is None
-            and (dtype == "float32" or (dtype == "auto" and not kernels.available()))
-            else None
-        )
+        wants_float32 = dtype == "float32" or (dtype == "auto" and not kernels.available())
+        kept = KeptFile(path) if path is not None and accelerator() is None and wants_float32 else None
         try:
             model, tokenizing = loader.load(folder, trust_remote_code)
         except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds; the user needs one line
@@ -145,18 +138,7 @@ class Engine:
         forms = quantized.forms(model) if used == "float32" and gemv.quantized_available() else {}
         stored = (kept or KeptFile(path)) if used == "float32" and path is not None else None
         tokenizing.start()  # its file is parsed while mlx reads or computes the weights
-        # On a CPU mlxpipe's kernels compute from the quantized weights, the only copy (read from the file a
-        # layer at a time); layers they do not take are dequantized, as --dtype float32 dequantizes all.
-        matrices: list[Any] = []
-        if used == "quantized" and accelerator() is None and kernels.available():
-            # the packed copies kept by an earlier run of this conversion: mapped, not read and packed again
-            packed_path = models.derived_file(folder, f"packed-{kernels.layout()}.bin") or _packed_path(
-                folder
-            )
-            kept_copies = kernels.PackedFile(packed_path) if packed_path is not None else None
-            matrices, refused = quantized.to_kernels(model, _FUSED, layers.enabled(), kept_copies)
-            if refused:
-                dequantize_layers(model, refused)
+        matrices = _to_kernels(model, folder) if used == "quantized" else []
         # joined as one matrix while dequantizing: fusing them afterwards would copy them
         joined = quantized.joinable(model, forms, _FUSED) if forms and layers.enabled() else {}
         model = apply_dtype(model, used, stored, joined)
@@ -167,16 +149,7 @@ class Engine:
             raise _load_error(source.spec, exc, trust_remote_code) from None
         engine = cls(model, tokenizer, source, folder, used, reason)
         engine.dequantized = bool(forms) or (used == "float32" and was_quantized)
-        if forms and layers.enabled():
-            quantized.fuse(engine.model, forms, joined)
-        engine.quantized_rows = quantized.attach(engine, engine.model, forms, _streams) + len(matrices)
-        kernels.release_with(engine, matrices, lambda: quantized.settle(_streams))
-        # mx.fast's norms and RoPE have no CPU kernels, mlx's CPU exp is slow: on a CPU, compiled stand-ins.
-        if accelerator() is None and layers.enabled():
-            engine.cpu_fast_paths = layers.apply(engine.model)
-            if gemv.argmax_available():  # mlx's CPU argmax compares one element at a time
-                engine.argmax = layers.argmax
-                engine.cpu_fast_paths = sorted([*engine.cpu_fast_paths, "argmax"])
+        _speed_up(engine, forms, joined, matrices)
         return engine
 
     def info(self) -> dict[str, Any]:
@@ -213,32 +186,6 @@ class Engine:
             )
         return lines + blas.slow_paths()
 
-    def _prefix_file(self, tokens: tuple[int, ...]) -> Path | None:
-        """Where the KV cache of the shared prefix ``tokens`` is kept between runs (:mod:`.prefix`), under a
-        name that changes with anything that changes its numbers; None where nothing is kept (models that
-        are not mlxpipe's own conversions)."""
-        text = repr((tokens, self._numbers_signature))
-        return models.derived_file(
-            self.folder, f"prefix-{hashlib.sha256(text.encode()).hexdigest()[:32]}.safetensors"
-        )
-
-    @cached_property
-    def _numbers_signature(self) -> tuple[Any, ...]:
-        # What decides a prefix's computed numbers besides its tokens: how this engine computes (dtype,
-        # device, fast paths, switches) and the code that does it (mlx, mlxpipe's engine and CPU rooms).
-        here = Path(__file__).resolve().parents[1]
-        files = [
-            p
-            for room in ("engine", "cpu")
-            for p in sorted((here / room).iterdir())
-            if p.suffix in (".py", ".c", ".cpp")
-        ]
-        files.append(Path(sys.modules[type(self.model).__module__].__file__ or ""))  # mlx-lm's model
-        code = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()]
-        switches = sorted((k, v) for k, v in os.environ.items() if k.startswith(("MLXPIPE_", "OPENBLAS")))
-        device = (str(mx.default_device()), getattr(mx, "__version__", ""))
-        return (self.dtype, device, self.cpu_fast_paths, self.quantized_rows, switches, code)
-
     def auto_batch(self, max_tokens: int, interactive: bool) -> int:
         """What ``--batch auto`` means for this run (1 when reading a terminal); recorded for ``info``."""
         if interactive:
@@ -258,7 +205,11 @@ class Engine:
         """How many of ``tokens`` come from a cached shared prefix, and a private copy of its KV cache."""
         if not self.reuse_prefix:
             return 0, None
-        return self.prefixes.split(self.prompts.shared_head(record), tokens)
+        head = self.prompts.shared_head(record)
+        if record.samples > 1:  # a record's samples share its whole prompt, computed once for all of them
+            self.prefixes.split(head, tokens)  # (its shared start first: other records use it too)
+            return self.prefixes.split(tokens[:-1], tokens, keep=False)
+        return self.prefixes.split(head, tokens)
 
     def budget(self, record: Record, tokens: list[int]) -> tuple[int, bool]:
         """The most tokens ``record`` may generate after its prompt ``tokens``, and whether the model's
@@ -289,79 +240,83 @@ class Engine:
     def generate(
         self, record: Record, should_stop: Callable[[], bool] | None = None
     ) -> Iterator[Chunk | Done]:
-        """Stream one record: zero or more :class:`Chunk` events, then exactly one :class:`Done`.
-
-        Raises :class:`RecordError` before the first event when the record cannot be answered.
-        ``should_stop`` is polled once per token; when it turns true the record ends as "interrupted".
-        """
+        """Stream one record: zero or more :class:`Chunk` events, then exactly one :class:`Done`
+        (:func:`.sequential.answer`). Raises :class:`RecordError` before the first event when the record
+        cannot be answered; ``should_stop`` is polled once per token (true: the record ends "interrupted")."""
         blas.use_threads(1)
-        s = record.settings
-        tokens = self.encode(record)
-        if s.constraint is not None and s.constraint.kind == "choices":
-            yield from choose(self, record, tokens)
-            return
-        started = time.perf_counter()
-        cached, cache = self.prefix_for(record, tokens)
-        processors = self.processors_for(record)
-        if cached and processors:
-            # stream_generate shows them only the tokens it was given; the batched path passes the cached
-            # prefix as all_tokens. Both must see the whole prompt (a repetition penalty looks back).
-            processors = [sampling.after_prefix(tokens[:cached], processors)]
-        stops = sampling.StopStrings(s.stop)
-        text: list[str] = []
-        budget, bound = self.budget(record, tokens)
-        responses = stream_generate(
-            self.model,
-            self.tokenizer,
-            tokens[cached:],
-            max_tokens=budget,
-            sampler=self.sampler_for(record),
-            logits_processors=processors,
-            prompt_cache=cache,
-            prefill_step_size=self.prefill_step,
-            argmax=self.argmax,
-        )
-        prompt_tps = 0.0
-        first = 0.0
-        try:
-            for r in responses:
-                now = time.perf_counter()
-                if r.generation_tokens == 1:  # the whole prompt, the reused prefix included, over its time
-                    prompt_tps = len(tokens) / max(now - started, 1e-9)
-                    first = now
-                # As under --batch (events.decode_tps): mlx-lm's own rate counts the first token over ~0 s.
-                tps = decode_tps(r.generation_tokens, first, now)
-                segment, finish = stops.feed(r.text, r.finish_reason)
-                if finish is None and should_stop is not None and should_stop():
-                    segment, finish = segment + stops.flush(), "interrupted"
-                if segment:
-                    text.append(segment)
-                    yield Chunk(record.index, record.id, segment, r.generation_tokens, tps)
-                if finish is not None:
-                    answer = "".join(text)
-                    if finish == "length" and bound:
-                        finish = "context"
-                    yield Done(
-                        index=record.index,
-                        id=record.id,
-                        text=answer,
-                        finish_reason=finish,
-                        tokens=r.generation_tokens,
-                        tps=tps,
-                        prompt_tokens=len(tokens),
-                        prompt_tps=prompt_tps,
-                        peak_memory=int(r.peak_memory * 1e9),  # mlx-lm reports GB
-                        input=record.input,
-                        **self.finish_fields(record, answer, finish),
-                    )
-                    return
-        finally:
-            responses.close()  # ends generation at once when our consumer stops early
+        yield from answer(self, record, should_stop)
 
     def batch(self, size: int) -> Batch:
         """A :class:`.batch.Batch` of up to ``size`` records generating together."""
         blas.use_threads(size)
         return Batch(self, size)
+
+
+def _prefix_files(engine: Engine) -> Callable[[tuple[int, ...]], Path | None]:
+    """Where the KV cache of a shared prefix is kept between runs (:mod:`.prefix`), under a name that
+    changes with anything that changes its numbers; None where nothing is kept (models that are not
+    mlxpipe's own conversions)."""
+    signature: tuple[Any, ...] | None = None
+
+    def path(tokens: tuple[int, ...]) -> Path | None:
+        nonlocal signature
+        if signature is None:  # at the first prefix: the engine is loaded, its fast paths are set
+            signature = _numbers_signature(engine)
+        text = repr((tokens, signature))
+        return models.derived_file(
+            engine.folder, f"prefix-{hashlib.sha256(text.encode()).hexdigest()[:32]}.safetensors"
+        )
+
+    return path
+
+
+def _numbers_signature(engine: Engine) -> tuple[Any, ...]:
+    """What decides a prefix's computed numbers besides its tokens: how ``engine`` computes (dtype, device,
+    fast paths, switches) and the code that does it (mlx, mlxpipe's engine and CPU rooms)."""
+    here = Path(__file__).resolve().parents[1]
+    files = [
+        p
+        for room in ("engine", "cpu")
+        for p in sorted((here / room).iterdir())
+        if p.suffix in (".py", ".c", ".cpp")
+    ]
+    files.append(Path(sys.modules[type(engine.model).__module__].__file__ or ""))  # mlx-lm's model
+    code = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()]
+    switches = sorted((k, v) for k, v in os.environ.items() if k.startswith(("MLXPIPE_", "OPENBLAS")))
+    device = (str(mx.default_device()), getattr(mx, "__version__", ""))
+    return (engine.dtype, device, engine.cpu_fast_paths, engine.quantized_rows, switches, code)
+
+
+def _to_kernels(model: Any, folder: str) -> list[Any]:
+    """On a CPU, a quantized model's layers handed to mlxpipe's kernels, which compute from the quantized
+    weights, the only copy (read from the file a layer at a time); the layers they do not take are
+    dequantized, as --dtype float32 dequantizes all. The matrices registered ([] elsewhere)."""
+    if accelerator() is not None or not kernels.available():
+        return []
+    # the packed copies kept by an earlier run of this conversion: mapped, not read and packed again
+    packed_path = models.derived_file(folder, f"packed-{kernels.layout()}.bin") or _packed_path(folder)
+    kept_copies = kernels.PackedFile(packed_path) if packed_path is not None else None
+    matrices, refused = quantized.to_kernels(model, _FUSED, layers.enabled(), kept_copies)
+    if refused:
+        dequantize_layers(model, refused)
+    return matrices
+
+
+def _speed_up(
+    engine: Engine, forms: dict[str, tuple[Any, ...]], joined: dict[str, tuple[str, ...]], matrices: list[Any]
+) -> None:
+    """The CPU's fast paths for a loaded engine: fused projections, one-row products from the quantized
+    weights, compiled stand-ins for layers with no CPU kernel (mx.fast's norms and RoPE; mlx's CPU exp is
+    slow), and the greedy argmax (mlx's CPU argmax compares one element at a time)."""
+    if forms and layers.enabled():
+        quantized.fuse(engine.model, forms, joined)
+    engine.quantized_rows = quantized.attach(engine, engine.model, forms, _streams) + len(matrices)
+    kernels.release_with(engine, matrices, lambda: quantized.settle(_streams))
+    if accelerator() is None and layers.enabled():
+        engine.cpu_fast_paths = layers.apply(engine.model)
+        if gemv.argmax_available():
+            engine.argmax = layers.argmax
+            engine.cpu_fast_paths = sorted([*engine.cpu_fast_paths, "argmax"])
 
 
 def _packed_path(folder: str) -> Path | None:

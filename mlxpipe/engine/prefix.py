@@ -55,9 +55,12 @@ class PrefixCache:
         """Forget every prefix (the next record computes its own again)."""
         self._entries.clear()
 
-    def split(self, head: Sequence[int], tokens: list[int]) -> tuple[int, list[Any] | None]:
+    def split(
+        self, head: Sequence[int], tokens: list[int], *, keep: bool = True
+    ) -> tuple[int, list[Any] | None]:
         """How many of ``tokens`` come from the cached prefix ``head`` shares with them, and a private copy
-        of that prefix's KV cache; ``(0, None)`` when there is none worth reusing."""
+        of that prefix's KV cache; ``(0, None)`` when there is none worth reusing. ``keep``: whether its
+        KV cache may be kept between runs (a shared start is; one record's whole prompt is not)."""
         n = common_prefix(head, tokens[:-1])  # at least one token must remain to start generation
         if n < MIN_PREFIX_TOKENS:
             return 0, None
@@ -67,7 +70,7 @@ class PrefixCache:
             cache = make_prompt_cache(self.model)
             if not all(type(c) is KVCache for c in cache):
                 return 0, None  # sliding-window or recurrent caches cannot be shared by slicing
-            path = self.store(key) if self.store is not None else None
+            path = self.store(key) if self.store is not None and keep else None
             if path is None or not _read_kv(path, cache, n):
                 # A conversation's next turn starts with the last turn's head: only the rest is computed.
                 start, base = self._longest_within(key)
