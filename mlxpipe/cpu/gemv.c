@@ -1121,7 +1121,12 @@ amx_rows(const qmat *m, const uint8_t *xt, const float *xs, int blocks, int M, f
  * are split between the threads: a row's numbers depend on that row alone, the same at --batch 1 and in any
  * batch or prompt (bench/RESULTS.md, issue 19).
  * W is repacked once, on its first such product, 16 rows a register: lane n holds 4 bytes of row n, for
- * 4 bits the values j (low nibble) and j + 4 (high) of 8 consecutive ones, for 8 bits 4 consecutive ones. */
+ * 4 bits the values j (low nibble) and j + 4 (high) of 8 consecutive ones, for 8 bits 4 consecutive ones.
+ * 5- and 6-bit values are kept in as many bits (a copy streams ~7 bits a weight, not 9): their low 4 bits as
+ * 4-bit ones, their high bits in a plane after every NR = 4 / (bits - 4) registers of nibbles (a unit of 8 NR
+ * values a row); the plane's byte j holds field t = 2 r + h (bits (bits - 4) t up) of the value of nibble
+ * register r's byte j, low nibble (h 0) or high (h 1). The tiles join the two in registers (shift, mask, or)
+ * before vpdpbusd: the same bytes 0..63 as a copy of a byte a value. 2 and 3 bits stay a byte a value. */
 static int i8_wanted = 2; /* 8-bit parts an activation is split into: 0 (the float32 kernels), 1, 2 (gemv.py) */
 #ifdef X86_AVX512
 enum { I8_W = 32, I8_AHEAD = 16384 }; /* a tile's rows of W (two registers of 16); bytes fetched ahead */
@@ -1150,8 +1155,8 @@ static int i8_runs(void) {
     return (kernels() == 2 && (i8_cpu & 2)) || (kernels() == 1 && (i8_cpu & 1)) ? i8_wanted : 0;
 }
 
-/* The bits a value of W takes in its repacked copy: 4 or 8 (2-, 3-, 5- and 6-bit values in bytes, as 8-bit ones) */
-static int i8_bits(const qmat *m) { return m->bits == 4 ? 4 : 8; }
+/* The bits a value of W takes in its repacked copy: 4, 5, 6 or 8 (2- and 3-bit values in bytes, as 8-bit ones) */
+static int i8_bits(const qmat *m) { return m->bits >= 4 && m->bits <= 6 ? m->bits : 8; }
 
 /* 64-byte registers a group of 16 rows of W takes */
 static int i8_chunks(const qmat *m) { return m->group * i8_bits(m) / 32; }
@@ -1161,6 +1166,22 @@ static int i8_blocks(const qmat *m) { return (m->n + I8_W - 1) / I8_W * (I8_W / 
 static uint32_t nibbles_apart(uint32_t x) {
     x = (x & 0xFF0000FFu) | ((x >> 8) & 0x0000FF00u) | ((x << 8) & 0x00FF0000u);
     return (x & 0xF00FF00Fu) | ((x << 4) & 0x0F000F00u) | ((x >> 4) & 0x00F000F0u);
+}
+
+/* Word wd (of 16 lanes' registers) of a row of 5- or 6-bit values: a unit's nibbles, or its plane of high bits */
+static uint32_t planes_word(const uint8_t *row, long row_bytes, long wd, int bits) {
+    int hb = bits - 4, nr = 4 / hb, slot = (int)(wd % (nr + 1));
+    long first = wd / (nr + 1) * 8 * nr; /* the unit's first value */
+    uint32_t v = 0;
+    if (slot < nr) { /* 8 values' low nibbles, as a 4-bit copy's */
+        for (int e = 0; e < 8; e++) v |= (value_at(row, row_bytes, first + 8 * slot + e, bits) & 15) << 4 * e;
+        return nibbles_apart(v);
+    }
+    for (int r = 0; r < nr; r++)
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 4; j++)
+                v |= (value_at(row, row_bytes, first + 8 * r + 4 * h + j, bits) >> 4) << (8 * j + hb * (2 * r + h));
+    return v;
 }
 
 /* Whether every scale and bias of m is a float16 value (a GGUF file's are): then the repacked copy keeps them in
@@ -1206,6 +1227,7 @@ static uint8_t *i8_pack(const qmat *m) {
             for (long wd = 0; wd < words; wd++) { /* word wd of a row: group wd / chunks, register wd % chunks */
                 uint32_t v = 0;
                 if (r < n && m->bits % 4 == 0) memcpy(&v, m->q + (r * words + wd) * 4, 4);
+                else if (r < n && i8_bits(m) != 8) v = planes_word(m->q + r * row_bytes, row_bytes, wd, m->bits);
                 else if (r < n) /* 4 values of another width, a byte each */
                     for (int e = 0; e < 4; e++) v |= value_at(m->q + r * row_bytes, row_bytes, wd * 4 + e, m->bits) << 8 * e;
                 w[((long)b * groups * chunks + wd) * 16 + lane] = m->bits == 4 ? nibbles_apart(v) : v;
@@ -1338,6 +1360,11 @@ __attribute__((target("avx2,fma"))) static void i8_quantize256(const qmat *m, in
     (half ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((p) + 2 * (long)(i))))                      \
           : _mm512_load_ps((const float *)(p) + (i)))
 
+/* v's 16-bit lanes shifted left by s (right by -s where s < 0), s a constant after unrolling */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i shifted512(__m512i v, int s) {
+    return s > 0 ? _mm512_slli_epi16(v, s) : s < 0 ? _mm512_srli_epi16(v, -s) : v;
+}
+
 /* 32 rows of W (two blocks of 16, w and w + bstride) by R rows of A (x, each row `parts` parts of k bytes):
  * c[i][0..32) under the masks. CH: W's registers a group when a constant (groups of 32), else 0 (chunks). */
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static inline void
@@ -1346,7 +1373,11 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
         int group, const float *sx, const float *xsum, float *c, int ldc, __mmask16 m0, __mmask16 m1) {
     const int es = half ? 2 : 4; /* bytes a scale or bias */
     const __m512i low = _mm512_set1_epi8(15);
-    const int ch = CH ? CH : chunks, step = bits == 4 ? 8 : 4; /* x's bytes a register of W takes */
+    const int ch = CH ? CH : chunks, step = bits == 8 ? 4 : 8; /* x's bytes a register of values takes */
+    /* 5 and 6 bits: a plane of high bits (hb a value) after every nr registers of nibbles */
+    const int planes = bits == 5 || bits == 6, hb = bits - 4, nr = planes ? 4 / hb : 1;
+    const int values = planes ? ch / (nr + 1) * nr : ch; /* registers of nibbles or bytes a group */
+    const __m512i high = _mm512_set1_epi8((char)(((1 << hb) - 1) << 4));
     const long row = (long)P * k;
     __m512 f0[R], f1[R];
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) f0[i] = f1[i] = _mm512_setzero_ps();
@@ -1364,15 +1395,28 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
         ahead = (const char *)bi + (I8_AHEAD / ch + g * 128) / 4 * es;
         _mm_prefetch(ahead, _MM_HINT_T0);
         _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        _Pragma("GCC unroll 8") for (int cc = 0; cc < ch; cc++) {
-            ahead = (const char *)w + I8_AHEAD + ((long)g * ch + cc) * 128;
+        _Pragma("GCC unroll 8") for (int cc = 0; cc < values; cc++) {
+            const int u = cc / nr, r = cc % nr, at_reg = planes ? u * (nr + 1) + r : cc; /* (unit, nibbles) */
+            ahead = (const char *)w + I8_AHEAD + ((long)g * ch + at_reg) * 128;
             _mm_prefetch(ahead, _MM_HINT_T0);
             _mm_prefetch(ahead + 64, _MM_HINT_T0);
-            __m512i v0 = _mm512_load_si512(wg + cc * 64), v1 = _mm512_load_si512(wg + bstride + cc * 64);
+            if (planes && r == nr - 1) { /* the unit's plane, next */
+                _mm_prefetch(ahead + 128, _MM_HINT_T0);
+                _mm_prefetch(ahead + 192, _MM_HINT_T0);
+            }
+            __m512i v0 = _mm512_load_si512(wg + at_reg * 64), v1 = _mm512_load_si512(wg + bstride + at_reg * 64);
             __m512i lo0 = v0, lo1 = v1, hi0 = v0, hi1 = v1;
-            if (bits == 4) {
+            if (bits != 8) {
                 lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
                 lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+            }
+            if (planes) { /* fields 2 r and 2 r + 1 of the plane moved to bit 4 up and or-ed in (0xF8: a | b & c) */
+                const int plane = (u * (nr + 1) + nr) * 64, t = 2 * r;
+                __m512i p0 = _mm512_load_si512(wg + plane), p1 = _mm512_load_si512(wg + bstride + plane);
+                lo0 = _mm512_ternarylogic_epi32(lo0, shifted512(p0, 4 - hb * t), high, 0xF8);
+                lo1 = _mm512_ternarylogic_epi32(lo1, shifted512(p1, 4 - hb * t), high, 0xF8);
+                hi0 = _mm512_ternarylogic_epi32(hi0, shifted512(p0, 4 - hb * (t + 1)), high, 0xF8);
+                hi1 = _mm512_ternarylogic_epi32(hi1, shifted512(p1, 4 - hb * (t + 1)), high, 0xF8);
             }
             _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
                 _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
@@ -1382,7 +1426,7 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
                     __m512i a = _mm512_set1_epi32(xa), *s0 = p ? e0 : d0, *s1 = p ? e1 : d1;
                     s0[i] = _mm512_dpbusd_epi32(s0[i], lo0, a);
                     s1[i] = _mm512_dpbusd_epi32(s1[i], lo1, a);
-                    if (bits == 4) { /* the high nibbles: the next 4 values of x */
+                    if (bits != 8) { /* the high nibbles: the next 4 values of x */
                         int32_t xb;
                         memcpy(&xb, at + 4, 4);
                         __m512i b = _mm512_set1_epi32(xb);
@@ -1418,11 +1462,20 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
 /* one tile of R_ rows of A, with the bits, parts and (groups of 32) count of registers as constants */
 #define I8_TILE(R_, P_)                                                                                       \
     do {                                                                                                      \
-        if (m->bits == 4 && m->group == 32)                                                                   \
+        int bits_ = i8_bits(m), g32_ = m->group == 32;                                                         \
+        if (bits_ == 4 && g32_)                                                                               \
             i8_tile(R_, 4, P_, 4, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, 32, s, t, cr, ldc, m0, m1); \
-        else if (m->bits == 4)                                                                                \
+        else if (bits_ == 4)                                                                                  \
             i8_tile(R_, 4, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
-        else if (m->group == 32)                                                                              \
+        else if (bits_ == 6 && g32_)                                                                          \
+            i8_tile(R_, 6, P_, 6, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, 32, s, t, cr, ldc, m0, m1); \
+        else if (bits_ == 6)                                                                                  \
+            i8_tile(R_, 6, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
+        else if (bits_ == 5 && g32_)                                                                          \
+            i8_tile(R_, 5, P_, 5, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, 32, s, t, cr, ldc, m0, m1); \
+        else if (bits_ == 5)                                                                                  \
+            i8_tile(R_, 5, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
+        else if (g32_)                                                                                        \
             i8_tile(R_, 8, P_, 8, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, 32, s, t, cr, ldc, m0, m1); \
         else                                                                                                  \
             i8_tile(R_, 8, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
@@ -1471,6 +1524,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
     (half ? _mm256_cvtph_ps(_mm_load_si128((const __m128i *)((p) + 2 * (long)(i))))                         \
           : _mm256_load_ps((const float *)(p) + (i)))
 
+/* shifted512 with AVX2 */
+__attribute__((target("avx2"), always_inline)) static inline __m256i shifted256(__m256i v, int s) {
+    return s > 0 ? _mm256_slli_epi16(v, s) : s < 0 ? _mm256_srli_epi16(v, -s) : v;
+}
+
 /* i8_tile with AVX-VNNI (an AVX2 CPU with VNNI): one block of 16 rows of W, as two registers of 8 (a packed
  * register's halves), by R rows of A; the same operations lane by lane, so the same numbers. */
 __attribute__((target("avx2,avxvnni,fma,f16c"), always_inline)) static inline void
@@ -1479,7 +1537,10 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
            const float *xsum, float *c, int ldc, int valid) {
     const int es = half ? 2 : 4;
     const __m256i low = _mm256_set1_epi8(15);
-    const int ch = CH ? CH : chunks, step = bits == 4 ? 8 : 4;
+    const int ch = CH ? CH : chunks, step = bits == 8 ? 4 : 8;
+    const int planes = bits == 5 || bits == 6, hb = bits - 4, nr = planes ? 4 / hb : 1;
+    const int values = planes ? ch / (nr + 1) * nr : ch;
+    const __m256i high = _mm256_set1_epi8((char)(((1 << hb) - 1) << 4));
     const long row = (long)P * k;
     __m256 f0[R], f1[R];
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) f0[i] = f1[i] = _mm256_setzero_ps();
@@ -1490,14 +1551,25 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
         const int8_t *xg = xq + (long)g * group;
         _mm_prefetch((const char *)sc + (I8_AHEAD / ch + g * 64) / 4 * es, _MM_HINT_T0);
         _mm_prefetch((const char *)bi + (I8_AHEAD / ch + g * 64) / 4 * es, _MM_HINT_T0);
-        _Pragma("GCC unroll 8") for (int cc = 0; cc < ch; cc++) {
-            _mm_prefetch((const char *)wg + I8_AHEAD + cc * 64, _MM_HINT_T0);
-            __m256i v0 = _mm256_load_si256((const __m256i *)(wg + cc * 64));
-            __m256i v1 = _mm256_load_si256((const __m256i *)(wg + cc * 64 + 32));
+        _Pragma("GCC unroll 8") for (int cc = 0; cc < values; cc++) {
+            const int u = cc / nr, r = cc % nr, at_reg = planes ? u * (nr + 1) + r : cc;
+            _mm_prefetch((const char *)wg + I8_AHEAD + at_reg * 64, _MM_HINT_T0);
+            if (planes && r == nr - 1) _mm_prefetch((const char *)wg + I8_AHEAD + at_reg * 64 + 64, _MM_HINT_T0);
+            __m256i v0 = _mm256_load_si256((const __m256i *)(wg + at_reg * 64));
+            __m256i v1 = _mm256_load_si256((const __m256i *)(wg + at_reg * 64 + 32));
             __m256i lo0 = v0, lo1 = v1, hi0 = v0, hi1 = v1;
-            if (bits == 4) {
+            if (bits != 8) {
                 lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
                 lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+            }
+            if (planes) {
+                const int plane = (u * (nr + 1) + nr) * 64, t = 2 * r;
+                __m256i p0 = _mm256_load_si256((const __m256i *)(wg + plane));
+                __m256i p1 = _mm256_load_si256((const __m256i *)(wg + plane + 32));
+                lo0 = _mm256_or_si256(lo0, _mm256_and_si256(shifted256(p0, 4 - hb * t), high));
+                lo1 = _mm256_or_si256(lo1, _mm256_and_si256(shifted256(p1, 4 - hb * t), high));
+                hi0 = _mm256_or_si256(hi0, _mm256_and_si256(shifted256(p0, 4 - hb * (t + 1)), high));
+                hi1 = _mm256_or_si256(hi1, _mm256_and_si256(shifted256(p1, 4 - hb * (t + 1)), high));
             }
             _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
                 _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
@@ -1507,7 +1579,7 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
                     __m256i a = _mm256_set1_epi32(xa), *s0 = p ? e0 : d0, *s1 = p ? e1 : d1;
                     s0[i] = _mm256_dpbusd_avx_epi32(s0[i], lo0, a);
                     s1[i] = _mm256_dpbusd_avx_epi32(s1[i], lo1, a);
-                    if (bits == 4) {
+                    if (bits != 8) {
                         int32_t xb;
                         memcpy(&xb, at + 4, 4);
                         __m256i b = _mm256_set1_epi32(xb);
@@ -1545,11 +1617,16 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
 
 #define I8_TILE256(R_, P_)                                                                                    \
     do {                                                                                                      \
-        if (m->bits == 4 && m->group == 32)                                                                   \
+        int bits_ = i8_bits(m), g32_ = m->group == 32;                                                         \
+        if (bits_ == 4 && g32_)                                                                               \
             i8_tile256(R_, 4, P_, 4, groups, chunks, wb, sc, bi, half, x, k, 32, s, t, cr, ldc, valid);             \
-        else if (m->bits == 4)                                                                                \
+        else if (bits_ == 4)                                                                                  \
             i8_tile256(R_, 4, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
-        else if (m->group == 32)                                                                              \
+        else if (bits_ == 6)                                                                                  \
+            i8_tile256(R_, 6, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
+        else if (bits_ == 5)                                                                                  \
+            i8_tile256(R_, 5, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
+        else if (g32_)                                                                                        \
             i8_tile256(R_, 8, P_, 8, groups, chunks, wb, sc, bi, half, x, k, 32, s, t, cr, ldc, valid);             \
         else                                                                                                  \
             i8_tile256(R_, 8, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
