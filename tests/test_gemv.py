@@ -327,13 +327,25 @@ def test_a_library_without_sgemv_is_left_alone() -> None:
 def _quantized(rng: Any, n: int, k: int, bits: int, group: int = 32) -> tuple[np.ndarray, ...]:
     """A random matrix in mlx's affine layout: (float32 weight, packed bytes, scales, biases)."""
     q = rng.integers(0, 2**bits, size=(n, k), dtype=np.uint8)
-    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8) if bits == 4 else q.copy()  # low bits first
+    packed = _packed(q, bits)
     scales = (rng.standard_normal((n, k // group)) * 0.02).astype(np.float32)
     biases = (rng.standard_normal((n, k // group)) * 0.02).astype(np.float32)
     weight = (
         (q.reshape(n, -1, group) * scales[..., None] + biases[..., None]).reshape(n, k).astype(np.float32)
     )
     return weight, packed, scales, biases
+
+
+def _packed(q: np.ndarray, bits: int) -> np.ndarray:
+    """Values q (n x k) packed as mlx packs them: a little-endian stream of `bits`-bit values, low first."""
+    stream = ((q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(q.shape[0], -1)
+    return np.packbits(stream, axis=1, bitorder="little")
+
+
+def _values(packed: np.ndarray, bits: int) -> np.ndarray:
+    """:func:`_packed`'s values again (int64)."""
+    stream = np.unpackbits(packed, axis=1, bitorder="little").reshape(packed.shape[0], -1, bits)
+    return (stream.astype(np.int64) << np.arange(bits)).sum(-1)
 
 
 def _register(shim: Any, arrays: tuple[np.ndarray, ...], bits: int, group: int = 32) -> None:
@@ -653,9 +665,7 @@ def _int8_reference(
     127) to q1 + q2 / 256 (q1 rounded to nearest, q2 the rest rounded, with two parts), integer dot products,
     then the sum over groups of scale * sx * dot + bias * sum(x)."""
     n, groups = scales.shape
-    q = np.empty((n, packed.shape[1] * 2), np.int64) if bits == 4 else packed.astype(np.int64)
-    if bits == 4:
-        q[:, 0::2], q[:, 1::2] = packed & 15, packed >> 4
+    q = _values(packed, bits)
     xg = x.reshape(x.shape[0], groups, -1)
     amax = np.abs(xg).max(-1)
     inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
@@ -679,9 +689,11 @@ def test_int8_products_sum_integers_and_a_rows_numbers_depend_on_it_alone(openbl
         pytest.skip("no AVX-512 VNNI on this CPU")
     rng = np.random.default_rng(29)
     ptr = ctypes.c_void_p
-    # Partial tiles of 32 rows of W and of 8 of A; 4 and 8 bits; groups of 32, 64, 128; 300 rows of A.
+    # Partial tiles of 32 rows of W and of 8 of A; 4, 5, 6 and 8 bits (5 and 6: a nibble plane and a plane of
+    # high bits); groups of 32, 64, 128; 300 rows of A.
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
     shapes += [(40, 256, 4, 128), (13, 128, 8, 32)]  # smaller than sgemv is worth: still these kernels
+    shapes += [(1536, 576, 6, 32), (193, 640, 6, 64), (97, 512, 6, 128), (577, 576, 5, 32), (40, 512, 5, 128)]
     try:
         for (n, k, bits, group), threads in itertools.product(shapes, [1, 2]):
             shim.mlxpipe_qgemm_threads(threads)
@@ -738,6 +750,7 @@ def test_float16_scales_kept_in_16_bits_give_the_same_numbers(openblas: Any) -> 
     shim.mlxpipe_qgemv_avx2(0)
     rng = np.random.default_rng(37)
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
+    shapes += [(193, 576, 6, 32), (97, 512, 5, 64)]
     try:
         for (n, k, bits, group), parts in itertools.product(shapes, [1, 2]):
             shim.mlxpipe_qgemm_int8(parts)
@@ -783,6 +796,7 @@ def test_avx_vnni_products_are_the_avx512_ones_to_the_last_bit(openblas: Any) ->
     rng = np.random.default_rng(31)
     ptr = ctypes.c_void_p
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
+    shapes += [(193, 576, 6, 32), (577, 640, 6, 64), (97, 512, 5, 32), (40, 256, 5, 128)]
     try:
         for (n, k, bits, group), threads, parts in itertools.product(shapes, [1, 2], [1, 2]):
             shim.mlxpipe_qgemm_threads(threads)
