@@ -76,7 +76,7 @@ static int integer_products(void);
  * 0 when the CPU or the layout has no kernel. */
 static qmat *enter(const float *w, int n, int k, int bits, int group, const void *q, const float *scales,
                    const float *biases) {
-    /* 2, 3, 5 and 6 bits: the integer products only (their copy repacked in bytes) */
+    /* 2, 3, 5 and 6 bits: the integer products only (their copy packed for them alone) */
     int wide = bits == 2 || bits == 3 || bits == 5 || bits == 6;
     if (!mlxpipe_qgemv_available() || !(bits == 4 || bits == 8 || (wide && integer_products())) || group % 32 ||
         k % group || registered >= TABLE / 2)
@@ -608,7 +608,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void transpose8
 }
 
 /* at (k x mpad) = A (M x k) transposed, columns in the kernels' order, rows past M zero: eight rows of A at
- * a time by 8 x 8 transposes (a copy; the strided scalar loop was ~4% of a --batch 64 decode step). */
+ * a time by 8 x 8 transposes (a copy: cheaper than the strided scalar loop). */
 __attribute__((target("avx2,fma"))) static void gemm_pack(const qmat *m, int M, const float *a, int lda, float *at,
                                                           int mpad) {
     int k = m->k, k2 = k / 2, M8 = k % 16 ? 0 : M / 8 * 8;
@@ -934,7 +934,7 @@ amx_pack(const qmat *m, int M, const float *a, int lda, uint8_t *xt, float *xs, 
                 }
             }
             /* a tile's row p holds pair p of each of the 16 rows (AMX's layout for its second operand): the
-             * 16 x 16 pairs transposed in registers (in place of 16 gathers a part: 2-3% off a 64-row product) */
+             * 16 x 16 pairs transposed in registers (cheaper than 16 gathers a part) */
             uint8_t *tiles = xt + ((long)g * blocks + ib) * 3 * TILE;
             for (int part = 0; part < 3; part++) {
                 __m512 r[16];
@@ -968,7 +968,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,fma"))) static void amx_decod
     for (int n = 0; n < 16; n++) {
         const uint8_t *q = m->q + (long)(nb + n) * stride;
         __m512i *row = (__m512i *)wt + n;
-        if (nb + 16 + n < m->n) { /* the same row of the next pass: fetched meanwhile (~5% at 16 rows of A) */
+        if (nb + 16 + n < m->n) { /* the same row of the next pass: fetched meanwhile */
             for (long at = 0; at < stride; at += 64) _mm_prefetch((const char *)q + 16 * stride + at, _MM_HINT_T0);
             long next = (long)(nb + 16 + n) * groups;
             for (int at = 0; at < groups; at += 16) {
@@ -1113,13 +1113,12 @@ amx_rows(const qmat *m, const uint8_t *xt, const float *xs, int blocks, int M, f
 /* ---- 8-bit activations: integer dot products (AVX-512 VNNI, AVX-VNNI) -----------------------------------
  * Where the CPU has VNNI, a product by an attached matrix (one row, a batch's rows, a prompt's) multiplies
  * integers: each row of A is split per group of W (scale sx = max|x| / 127) into two 8-bit parts, x / sx =
- * q1 + q2 / 256 (|error| <= sx / 512: the embedded model's perplexity the same to four digits, its top token
- * the same at 99.9% of positions), or with MLXPIPE_INT8=1 into one, as llama.cpp's CPU products do (~1.4x
- * faster again; perplexity +1.6%, greedy answers part from float32's); vpdpbusd multiplies W's 4- or 8-bit
- * values by those bytes, 64 at a time, exactly. Each output then adds, group by group, (scale * sx) * dot +
+ * q1 + q2 / 256 (|error| <= sx / 512: answers as float32's), or with MLXPIPE_INT8=1 into one, as llama.cpp's
+ * CPU products do (faster; greedy answers part from float32's); vpdpbusd multiplies W's 4- to 8-bit values
+ * by those bytes, 64 at a time, exactly. Each output then adds, group by group, (scale * sx) * dot +
  * bias * sum(x), by the same float32 operations whatever the number of rows of A and however the rows of W
  * are split between the threads: a row's numbers depend on that row alone, the same at --batch 1 and in any
- * batch or prompt (bench/RESULTS.md, issue 19).
+ * batch or prompt.
  * W is repacked once, on its first such product, 16 rows a register: lane n holds 4 bytes of row n, for
  * 4 bits the values j (low nibble) and j + 4 (high) of 8 consecutive ones, for 8 bits 4 consecutive ones.
  * 5- and 6-bit values are kept in as many bits (a copy streams ~7 bits a weight, not 9): their low 4 bits as
@@ -1365,6 +1364,38 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i
     return s > 0 ? _mm512_slli_epi16(v, s) : s < 0 ? _mm512_srli_epi16(v, -s) : v;
 }
 
+/* The register of a group's (of 64 bytes) that holds its values register cc: past the planes before it */
+static inline int i8_reg(const int bits, int cc) {
+    const int nr = bits == 5 ? 4 : 2; /* registers of nibbles a plane of high bits follows (5 and 6 bits) */
+    return bits == 5 || bits == 6 ? cc / nr * (nr + 1) + cc % nr : cc;
+}
+
+/* Values register cc of a group of W's two blocks (at wg and wg + bstride) as the bytes vpdpbusd multiplies:
+ * v[0], v[1] the values x's 4 bytes at cc * step meet (step: 4 bytes for 8 bits, else 8), v[2], v[3] (below 8
+ * bits) those the next 4 meet. 5 and 6 bits: fields 2 r and 2 r + 1 of the unit's plane moved to bit 4 up and
+ * or-ed into nibbles register r's low and high nibbles (0xF8: a | b & c). */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline void
+i8_values512(const int bits, const uint8_t *wg, long bstride, int cc, __m512i *v) {
+    const int at = i8_reg(bits, cc), hb = bits - 4, nr = bits == 5 ? 4 : 2, t = 2 * (cc % nr);
+    __m512i v0 = _mm512_load_si512(wg + at * 64), v1 = _mm512_load_si512(wg + bstride + at * 64);
+    if (bits == 8) {
+        v[0] = v[2] = v0, v[1] = v[3] = v1;
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8(15);
+    v[0] = _mm512_and_si512(v0, low), v[2] = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+    v[1] = _mm512_and_si512(v1, low), v[3] = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+    if (bits == 5 || bits == 6) {
+        const __m512i high = _mm512_set1_epi8((char)(((1 << hb) - 1) << 4));
+        const int plane = (cc / nr * (nr + 1) + nr) * 64;
+        __m512i p0 = _mm512_load_si512(wg + plane), p1 = _mm512_load_si512(wg + bstride + plane);
+        v[0] = _mm512_ternarylogic_epi32(v[0], shifted512(p0, 4 - hb * t), high, 0xF8);
+        v[1] = _mm512_ternarylogic_epi32(v[1], shifted512(p1, 4 - hb * t), high, 0xF8);
+        v[2] = _mm512_ternarylogic_epi32(v[2], shifted512(p0, 4 - hb * (t + 1)), high, 0xF8);
+        v[3] = _mm512_ternarylogic_epi32(v[3], shifted512(p1, 4 - hb * (t + 1)), high, 0xF8);
+    }
+}
+
 /* 32 rows of W (two blocks of 16, w and w + bstride) by R rows of A (x, each row `parts` parts of k bytes):
  * c[i][0..32) under the masks. CH: W's registers a group when a constant (groups of 32), else 0 (chunks). */
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static inline void
@@ -1372,12 +1403,9 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
         long bstride, const uint8_t *sc, const uint8_t *bi, long sstride, int half, const int8_t *xq, int k,
         int group, const float *sx, const float *xsum, float *c, int ldc, __mmask16 m0, __mmask16 m1) {
     const int es = half ? 2 : 4; /* bytes a scale or bias */
-    const __m512i low = _mm512_set1_epi8(15);
     const int ch = CH ? CH : chunks, step = bits == 8 ? 4 : 8; /* x's bytes a register of values takes */
-    /* 5 and 6 bits: a plane of high bits (hb a value) after every nr registers of nibbles */
-    const int planes = bits == 5 || bits == 6, hb = bits - 4, nr = planes ? 4 / hb : 1;
-    const int values = planes ? ch / (nr + 1) * nr : ch; /* registers of nibbles or bytes a group */
-    const __m512i high = _mm512_set1_epi8((char)(((1 << hb) - 1) << 4));
+    const int planes = bits == 5 || bits == 6, nr = bits == 5 ? 4 : 2; /* (i8_values512) */
+    const int values = planes ? ch / (nr + 1) * nr : ch;               /* registers of nibbles or bytes a group */
     const long row = (long)P * k;
     __m512 f0[R], f1[R];
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) f0[i] = f1[i] = _mm512_setzero_ps();
@@ -1396,28 +1424,16 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
         _mm_prefetch(ahead, _MM_HINT_T0);
         _mm_prefetch(ahead + 64, _MM_HINT_T0);
         _Pragma("GCC unroll 8") for (int cc = 0; cc < values; cc++) {
-            const int u = cc / nr, r = cc % nr, at_reg = planes ? u * (nr + 1) + r : cc; /* (unit, nibbles) */
-            ahead = (const char *)w + I8_AHEAD + ((long)g * ch + at_reg) * 128;
+            ahead = (const char *)w + I8_AHEAD + ((long)g * ch + i8_reg(bits, cc)) * 128;
             _mm_prefetch(ahead, _MM_HINT_T0);
             _mm_prefetch(ahead + 64, _MM_HINT_T0);
-            if (planes && r == nr - 1) { /* the unit's plane, next */
+            if (planes && cc % nr == nr - 1) { /* the unit's plane, next */
                 _mm_prefetch(ahead + 128, _MM_HINT_T0);
                 _mm_prefetch(ahead + 192, _MM_HINT_T0);
             }
-            __m512i v0 = _mm512_load_si512(wg + at_reg * 64), v1 = _mm512_load_si512(wg + bstride + at_reg * 64);
-            __m512i lo0 = v0, lo1 = v1, hi0 = v0, hi1 = v1;
-            if (bits != 8) {
-                lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-                lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-            }
-            if (planes) { /* fields 2 r and 2 r + 1 of the plane moved to bit 4 up and or-ed in (0xF8: a | b & c) */
-                const int plane = (u * (nr + 1) + nr) * 64, t = 2 * r;
-                __m512i p0 = _mm512_load_si512(wg + plane), p1 = _mm512_load_si512(wg + bstride + plane);
-                lo0 = _mm512_ternarylogic_epi32(lo0, shifted512(p0, 4 - hb * t), high, 0xF8);
-                lo1 = _mm512_ternarylogic_epi32(lo1, shifted512(p1, 4 - hb * t), high, 0xF8);
-                hi0 = _mm512_ternarylogic_epi32(hi0, shifted512(p0, 4 - hb * (t + 1)), high, 0xF8);
-                hi1 = _mm512_ternarylogic_epi32(hi1, shifted512(p1, 4 - hb * (t + 1)), high, 0xF8);
-            }
+            __m512i v[4];
+            i8_values512(bits, wg, bstride, cc, v);
+            const __m512i lo0 = v[0], lo1 = v[1], hi0 = v[2], hi1 = v[3];
             _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
                 _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
                     const int8_t *at = xg + i * row + p * k + cc * step;
@@ -1529,6 +1545,31 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i shifted256(
     return s > 0 ? _mm256_slli_epi16(v, s) : s < 0 ? _mm256_srli_epi16(v, -s) : v;
 }
 
+/* i8_values512 with AVX2, for one block (at wg): v[0], v[1] its 64-byte register's halves (rows 0-7, 8-15) */
+__attribute__((target("avx2"), always_inline)) static inline void i8_values256(const int bits, const uint8_t *wg,
+                                                                             int cc, __m256i *v) {
+    const int at = i8_reg(bits, cc), hb = bits - 4, nr = bits == 5 ? 4 : 2, t = 2 * (cc % nr);
+    __m256i v0 = _mm256_load_si256((const __m256i *)(wg + at * 64));
+    __m256i v1 = _mm256_load_si256((const __m256i *)(wg + at * 64 + 32));
+    if (bits == 8) {
+        v[0] = v[2] = v0, v[1] = v[3] = v1;
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(15);
+    v[0] = _mm256_and_si256(v0, low), v[2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+    v[1] = _mm256_and_si256(v1, low), v[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+    if (bits == 5 || bits == 6) {
+        const __m256i high = _mm256_set1_epi8((char)(((1 << hb) - 1) << 4));
+        const int plane = (cc / nr * (nr + 1) + nr) * 64;
+        __m256i p0 = _mm256_load_si256((const __m256i *)(wg + plane));
+        __m256i p1 = _mm256_load_si256((const __m256i *)(wg + plane + 32));
+        v[0] = _mm256_or_si256(v[0], _mm256_and_si256(shifted256(p0, 4 - hb * t), high));
+        v[1] = _mm256_or_si256(v[1], _mm256_and_si256(shifted256(p1, 4 - hb * t), high));
+        v[2] = _mm256_or_si256(v[2], _mm256_and_si256(shifted256(p0, 4 - hb * (t + 1)), high));
+        v[3] = _mm256_or_si256(v[3], _mm256_and_si256(shifted256(p1, 4 - hb * (t + 1)), high));
+    }
+}
+
 /* i8_tile with AVX-VNNI (an AVX2 CPU with VNNI): one block of 16 rows of W, as two registers of 8 (a packed
  * register's halves), by R rows of A; the same operations lane by lane, so the same numbers. */
 __attribute__((target("avx2,avxvnni,fma,f16c"), always_inline)) static inline void
@@ -1536,11 +1577,9 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
            const uint8_t *sc, const uint8_t *bi, int half, const int8_t *xq, int k, int group, const float *sx,
            const float *xsum, float *c, int ldc, int valid) {
     const int es = half ? 2 : 4;
-    const __m256i low = _mm256_set1_epi8(15);
     const int ch = CH ? CH : chunks, step = bits == 8 ? 4 : 8;
-    const int planes = bits == 5 || bits == 6, hb = bits - 4, nr = planes ? 4 / hb : 1;
+    const int planes = bits == 5 || bits == 6, nr = bits == 5 ? 4 : 2;
     const int values = planes ? ch / (nr + 1) * nr : ch;
-    const __m256i high = _mm256_set1_epi8((char)(((1 << hb) - 1) << 4));
     const long row = (long)P * k;
     __m256 f0[R], f1[R];
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) f0[i] = f1[i] = _mm256_setzero_ps();
@@ -1552,25 +1591,12 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
         _mm_prefetch((const char *)sc + (I8_AHEAD / ch + g * 64) / 4 * es, _MM_HINT_T0);
         _mm_prefetch((const char *)bi + (I8_AHEAD / ch + g * 64) / 4 * es, _MM_HINT_T0);
         _Pragma("GCC unroll 8") for (int cc = 0; cc < values; cc++) {
-            const int u = cc / nr, r = cc % nr, at_reg = planes ? u * (nr + 1) + r : cc;
-            _mm_prefetch((const char *)wg + I8_AHEAD + at_reg * 64, _MM_HINT_T0);
-            if (planes && r == nr - 1) _mm_prefetch((const char *)wg + I8_AHEAD + at_reg * 64 + 64, _MM_HINT_T0);
-            __m256i v0 = _mm256_load_si256((const __m256i *)(wg + at_reg * 64));
-            __m256i v1 = _mm256_load_si256((const __m256i *)(wg + at_reg * 64 + 32));
-            __m256i lo0 = v0, lo1 = v1, hi0 = v0, hi1 = v1;
-            if (bits != 8) {
-                lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-                lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-            }
-            if (planes) {
-                const int plane = (u * (nr + 1) + nr) * 64, t = 2 * r;
-                __m256i p0 = _mm256_load_si256((const __m256i *)(wg + plane));
-                __m256i p1 = _mm256_load_si256((const __m256i *)(wg + plane + 32));
-                lo0 = _mm256_or_si256(lo0, _mm256_and_si256(shifted256(p0, 4 - hb * t), high));
-                lo1 = _mm256_or_si256(lo1, _mm256_and_si256(shifted256(p1, 4 - hb * t), high));
-                hi0 = _mm256_or_si256(hi0, _mm256_and_si256(shifted256(p0, 4 - hb * (t + 1)), high));
-                hi1 = _mm256_or_si256(hi1, _mm256_and_si256(shifted256(p1, 4 - hb * (t + 1)), high));
-            }
+            const int reg = i8_reg(bits, cc);
+            _mm_prefetch((const char *)wg + I8_AHEAD + reg * 64, _MM_HINT_T0);
+            if (planes && cc % nr == nr - 1) _mm_prefetch((const char *)wg + I8_AHEAD + reg * 64 + 64, _MM_HINT_T0);
+            __m256i v[4];
+            i8_values256(bits, wg, cc, v);
+            const __m256i lo0 = v[0], lo1 = v[1], hi0 = v[2], hi1 = v[3];
             _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
                 _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
                     const int8_t *at = xg + i * row + p * k + cc * step;
@@ -1862,7 +1888,7 @@ static double now(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-enum { ALONE = 256 }; /* products computed without the helper after it was found slow (a decode step: 211) */
+enum { ALONE = 256 }; /* products computed without the helper after it was found slow (about a decode step's) */
 static int alone_for, late_in_row;
 static long shared_calls, helper_stretches, all_stretches, alone_spells;
 
@@ -1873,8 +1899,8 @@ void mlxpipe_qgemm_shared_stats(long *out) {
 
 static atomic_int helper_asleep; /* set while the helper may be in the futex: only then is it woken */
 
-/* The helper sleeps as soon as it runs out of stretches: polling 0.1 ms for the next product was no faster at
- * 64 rows and 2-6% slower at 16 (it takes core time from Python's thread; bench/RESULTS.md, issue 19). */
+/* The helper sleeps as soon as it runs out of stretches: polling for the next product was no faster and
+ * takes core time from Python's thread. */
 static void *helper(void *unused) {
     (void)unused;
     for (int seen = atomic_load(&job_gen);;) {
@@ -1916,8 +1942,8 @@ static int run_shared(job_t *j) {
     helper_stretches += j->stretches - mine_done;
     all_stretches += j->stretches;
     /* A wait of up to twice a stretch's time is the end of a product, not a helper without a core; a helper
-     * that woke too late to take many stretches cost the caller nothing (it was left out for that before, so
-     * that on a VM whose wake-ups are slow a batch's products ran alone most of the time: RESULTS, issue 19). */
+     * that woke too late to take many stretches cost the caller nothing (leaving it out for that left a VM
+     * whose wake-ups are slow computing alone most of the time). */
     return waited <= (2e-4 > 2 * stretch_time ? 2e-4 : 2 * stretch_time);
 }
 
@@ -2551,8 +2577,7 @@ static int attention_batch(float alpha, int tb, int m, int n, int k, const float
 static long one_row_min = 1L << 40;
 enum { ONE_ALONE_MS = 50 }; /* how long one-row products go on alone after the helper was slow */
 /* A one-row product that takes less than this alone is not shared: the helper's wake-up costs the caller more
- * (a fused gate-and-up product of 1.8M weights, ~60 us alone on a Zen 5 core, ran ~20% slower a token shared;
- * ~120 us on a Zen 3 core, ~9% faster: bench/RESULTS.md, issue 19). */
+ * than the half it takes (bench/RESULTS.md). */
 static int one_shared_us = 90;
 static double one_row_rate; /* weights a second of one-row products computed alone, a running mean (0: none yet) */
 
