@@ -689,11 +689,12 @@ def test_int8_products_sum_integers_and_a_rows_numbers_depend_on_it_alone(openbl
         pytest.skip("no AVX-512 VNNI on this CPU")
     rng = np.random.default_rng(29)
     ptr = ctypes.c_void_p
-    # Partial tiles of 32 rows of W and of 8 of A; 4, 5, 6 and 8 bits (5 and 6: a nibble plane and a plane of
-    # high bits); groups of 32, 64, 128; 300 rows of A.
+    # Partial tiles of 32 rows of W and of 8 of A; 2 to 8 bits (2, 3, 5, 6: low bits and a plane of high
+    # bits); groups of 32, 64, 128; 300 rows of A.
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
     shapes += [(40, 256, 4, 128), (13, 128, 8, 32)]  # smaller than sgemv is worth: still these kernels
     shapes += [(1536, 576, 6, 32), (193, 640, 6, 64), (97, 512, 6, 128), (577, 576, 5, 32), (40, 512, 5, 128)]
+    shapes += [(193, 576, 3, 32), (97, 512, 3, 128), (40, 640, 2, 64)]
     try:
         for (n, k, bits, group), threads in itertools.product(shapes, [1, 2]):
             shim.mlxpipe_qgemm_threads(threads)
@@ -796,7 +797,8 @@ def test_avx_vnni_products_are_the_avx512_ones_to_the_last_bit(openblas: Any) ->
     rng = np.random.default_rng(31)
     ptr = ctypes.c_void_p
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
-    shapes += [(193, 576, 6, 32), (577, 640, 6, 64), (97, 512, 5, 32), (40, 256, 5, 128)]
+    shapes += [(193, 576, 6, 32), (577, 640, 6, 64), (97, 512, 5, 32), (40, 256, 5, 128), (97, 512, 3, 64)]
+    shapes += [(40, 256, 2, 32)]
     try:
         for (n, k, bits, group), threads, parts in itertools.product(shapes, [1, 2], [1, 2]):
             shim.mlxpipe_qgemm_threads(threads)

@@ -59,9 +59,9 @@ def test_every_width_and_group_matches_mlxs_quantized_matmul(bits: int, group: i
     assert _close(kernels.product(x.transpose(1, 0, 2), matrix), want.transpose(1, 0, 2))
 
 
-@pytest.mark.parametrize("bits", [5, 6])
-def test_five_and_six_bit_copies_match_mlx_at_every_shape_and_kind(bits: int) -> None:
-    # 5- and 6-bit matrices are packed in as many bits (a nibble plane and a plane of high bits, joined in
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+def test_two_to_six_bit_copies_match_mlx_at_every_shape_and_kind(bits: int) -> None:
+    # 2-, 3-, 5- and 6-bit matrices are packed in as many bits (low bits, and a plane of high bits, joined in
     # registers): one row and many, partial tiles of rows, groups of 32, 64, 128, scales in 16 bits (float16
     # values) or 32, on the best kernels, the AVX2 ones (AVX-VNNI, where the CPU has it) and the plain loop
     # (MLXPIPE_INT8 off, from the source arrays), all against mlx's own quantized_matmul.

@@ -1121,11 +1121,12 @@ amx_rows(const qmat *m, const uint8_t *xt, const float *xs, int blocks, int M, f
  * batch or prompt.
  * W is repacked once, on its first such product, 16 rows a register: lane n holds 4 bytes of row n, for
  * 4 bits the values j (low nibble) and j + 4 (high) of 8 consecutive ones, for 8 bits 4 consecutive ones.
- * 5- and 6-bit values are kept in as many bits (a copy streams ~7 bits a weight, not 9): their low 4 bits as
- * 4-bit ones, their high bits in a plane after every NR = 4 / (bits - 4) registers of nibbles (a unit of 8 NR
- * values a row); the plane's byte j holds field t = 2 r + h (bits (bits - 4) t up) of the value of nibble
- * register r's byte j, low nibble (h 0) or high (h 1). The tiles join the two in registers (shift, mask, or)
- * before vpdpbusd: the same bytes 0..63 as a copy of a byte a value. 2 and 3 bits stay a byte a value. */
+ * 2-, 3-, 5- and 6-bit values are kept in as many bits (a 6-bit copy streams 7 bits a weight with its scales,
+ * not 9): their low lb bits (4, or 2 below 4 bits) in registers whose byte j holds values j, j + 4, ... lb bits
+ * each (as 4-bit ones), their hb high bits (3, 5, 6 bits) in a plane after each unit of vr "values registers"
+ * (8 values a row each: vr = 4 / hb); the plane's byte j holds field t = 2 c + h (hb bits at hb t) of the
+ * unit's value 8 c + 4 h + j. The tiles join the two in registers (shifts, masks, or) before vpdpbusd: the
+ * same bytes as a copy of a byte a value. */
 static int i8_wanted = 2; /* 8-bit parts an activation is split into: 0 (the float32 kernels), 1, 2 (gemv.py) */
 #ifdef X86_AVX512
 enum { I8_W = 32, I8_AHEAD = 16384 }; /* a tile's rows of W (two registers of 16); bytes fetched ahead */
@@ -1154,8 +1155,22 @@ static int i8_runs(void) {
     return (kernels() == 2 && (i8_cpu & 2)) || (kernels() == 1 && (i8_cpu & 1)) ? i8_wanted : 0;
 }
 
-/* The bits a value of W takes in its repacked copy: 4, 5, 6 or 8 (2- and 3-bit values in bytes, as 8-bit ones) */
-static int i8_bits(const qmat *m) { return m->bits >= 4 && m->bits <= 6 ? m->bits : 8; }
+/* The bits a value of W takes in its repacked copy: its own (8 for 8-bit ones) */
+static int i8_bits(const qmat *m) { return m->bits; }
+
+/* The geometry of a width below 8 bits (above): its low bits, high bits (0: no plane), values registers a
+ * unit, and 64-byte registers a unit (its low ones, then its plane) */
+static inline int i8_lb(const int bits) { return bits >= 4 ? 4 : 2; }
+static inline int i8_hb(const int bits) { return bits == 3 || bits == 5 || bits == 6 ? bits - i8_lb(bits) : 0; }
+static inline int i8_vr(const int bits) { return i8_hb(bits) ? 4 / i8_hb(bits) : 4 / i8_lb(bits); }
+static inline int i8_lows(const int bits) { return i8_vr(bits) * i8_lb(bits) / 4; }
+static inline int i8_unit(const int bits) { return i8_lows(bits) + (i8_hb(bits) > 0); }
+
+/* The register of a group's (64 bytes each) holding values register cc's low bits, and the plane for its high */
+static inline int i8_reg(const int bits, int cc) {
+    return bits == 8 ? cc : cc / i8_vr(bits) * i8_unit(bits) + cc % i8_vr(bits) * i8_lb(bits) / 4;
+}
+static inline int i8_plane(const int bits, int cc) { return cc / i8_vr(bits) * i8_unit(bits) + i8_lows(bits); }
 
 /* 64-byte registers a group of 16 rows of W takes */
 static int i8_chunks(const qmat *m) { return m->group * i8_bits(m) / 32; }
@@ -1167,19 +1182,22 @@ static uint32_t nibbles_apart(uint32_t x) {
     return (x & 0xF00FF00Fu) | ((x << 4) & 0x0F000F00u) | ((x >> 4) & 0x00F000F0u);
 }
 
-/* Word wd (of 16 lanes' registers) of a row of 5- or 6-bit values: a unit's nibbles, or its plane of high bits */
+/* Word wd (of 16 lanes' registers) of a row of 2-, 3-, 5- or 6-bit values: of a unit's low bits or its plane */
 static uint32_t planes_word(const uint8_t *row, long row_bytes, long wd, int bits) {
-    int hb = bits - 4, nr = 4 / hb, slot = (int)(wd % (nr + 1));
-    long first = wd / (nr + 1) * 8 * nr; /* the unit's first value */
+    int lb = i8_lb(bits), hb = i8_hb(bits), slot = (int)(wd % i8_unit(bits));
+    long first = wd / i8_unit(bits) * 8 * i8_vr(bits); /* the unit's first value */
     uint32_t v = 0;
-    if (slot < nr) { /* 8 values' low nibbles, as a 4-bit copy's */
-        for (int e = 0; e < 8; e++) v |= (value_at(row, row_bytes, first + 8 * slot + e, bits) & 15) << 4 * e;
-        return nibbles_apart(v);
+    if (slot < i8_lows(bits)) { /* byte j: values j + 4 q of the word's 32 / lb, lb bits each */
+        for (int j = 0; j < 4; j++)
+            for (int q = 0; q < 8 / lb; q++)
+                v |= (value_at(row, row_bytes, first + slot * 32 / lb + j + 4 * q, bits) & ((1u << lb) - 1))
+                     << (8 * j + lb * q);
+        return v;
     }
-    for (int r = 0; r < nr; r++)
+    for (int c = 0; c < i8_vr(bits); c++)
         for (int h = 0; h < 2; h++)
             for (int j = 0; j < 4; j++)
-                v |= (value_at(row, row_bytes, first + 8 * r + 4 * h + j, bits) >> 4) << (8 * j + hb * (2 * r + h));
+                v |= (value_at(row, row_bytes, first + 8 * c + 4 * h + j, bits) >> lb) << (8 * j + hb * (2 * c + h));
     return v;
 }
 
@@ -1226,9 +1244,7 @@ static uint8_t *i8_pack(const qmat *m) {
             for (long wd = 0; wd < words; wd++) { /* word wd of a row: group wd / chunks, register wd % chunks */
                 uint32_t v = 0;
                 if (r < n && m->bits % 4 == 0) memcpy(&v, m->q + (r * words + wd) * 4, 4);
-                else if (r < n && i8_bits(m) != 8) v = planes_word(m->q + r * row_bytes, row_bytes, wd, m->bits);
-                else if (r < n) /* 4 values of another width, a byte each */
-                    for (int e = 0; e < 4; e++) v |= value_at(m->q + r * row_bytes, row_bytes, wd * 4 + e, m->bits) << 8 * e;
+                else if (r < n) v = planes_word(m->q + r * row_bytes, row_bytes, wd, m->bits);
                 w[((long)b * groups * chunks + wd) * 16 + lane] = m->bits == 4 ? nibbles_apart(v) : v;
             }
             for (int g = 0; g < groups; g++) {
@@ -1364,35 +1380,30 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i
     return s > 0 ? _mm512_slli_epi16(v, s) : s < 0 ? _mm512_srli_epi16(v, -s) : v;
 }
 
-/* The register of a group's (of 64 bytes) that holds its values register cc: past the planes before it */
-static inline int i8_reg(const int bits, int cc) {
-    const int nr = bits == 5 ? 4 : 2; /* registers of nibbles a plane of high bits follows (5 and 6 bits) */
-    return bits == 5 || bits == 6 ? cc / nr * (nr + 1) + cc % nr : cc;
-}
-
 /* Values register cc of a group of W's two blocks (at wg and wg + bstride) as the bytes vpdpbusd multiplies:
  * v[0], v[1] the values x's 4 bytes at cc * step meet (step: 4 bytes for 8 bits, else 8), v[2], v[3] (below 8
- * bits) those the next 4 meet. 5 and 6 bits: fields 2 r and 2 r + 1 of the unit's plane moved to bit 4 up and
- * or-ed into nibbles register r's low and high nibbles (0xF8: a | b & c). */
+ * bits) those the next 4 meet: the low bits (shifted down to bit 0, masked), with fields 2 c and 2 c + 1 of the
+ * unit's plane moved up to bit lb and or-ed in (0xF8: a | b & c). */
 __attribute__((target("avx512f,avx512bw"), always_inline)) static inline void
 i8_values512(const int bits, const uint8_t *wg, long bstride, int cc, __m512i *v) {
-    const int at = i8_reg(bits, cc), hb = bits - 4, nr = bits == 5 ? 4 : 2, t = 2 * (cc % nr);
+    const int at = i8_reg(bits, cc), lb = i8_lb(bits), hb = i8_hb(bits), c = bits == 8 ? 0 : cc % i8_vr(bits);
+    const int down = c % (4 / lb) * 4, t = 2 * c; /* (2 bits: two values registers a low register) */
     __m512i v0 = _mm512_load_si512(wg + at * 64), v1 = _mm512_load_si512(wg + bstride + at * 64);
     if (bits == 8) {
         v[0] = v[2] = v0, v[1] = v[3] = v1;
         return;
     }
-    const __m512i low = _mm512_set1_epi8(15);
-    v[0] = _mm512_and_si512(v0, low), v[2] = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-    v[1] = _mm512_and_si512(v1, low), v[3] = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-    if (bits == 5 || bits == 6) {
-        const __m512i high = _mm512_set1_epi8((char)(((1 << hb) - 1) << 4));
-        const int plane = (cc / nr * (nr + 1) + nr) * 64;
+    const __m512i low = _mm512_set1_epi8((char)((1 << lb) - 1));
+    v[0] = _mm512_and_si512(shifted512(v0, -down), low), v[2] = _mm512_and_si512(shifted512(v0, -down - lb), low);
+    v[1] = _mm512_and_si512(shifted512(v1, -down), low), v[3] = _mm512_and_si512(shifted512(v1, -down - lb), low);
+    if (hb) {
+        const __m512i high = _mm512_set1_epi8((char)(((1 << hb) - 1) << lb));
+        const int plane = i8_plane(bits, cc) * 64;
         __m512i p0 = _mm512_load_si512(wg + plane), p1 = _mm512_load_si512(wg + bstride + plane);
-        v[0] = _mm512_ternarylogic_epi32(v[0], shifted512(p0, 4 - hb * t), high, 0xF8);
-        v[1] = _mm512_ternarylogic_epi32(v[1], shifted512(p1, 4 - hb * t), high, 0xF8);
-        v[2] = _mm512_ternarylogic_epi32(v[2], shifted512(p0, 4 - hb * (t + 1)), high, 0xF8);
-        v[3] = _mm512_ternarylogic_epi32(v[3], shifted512(p1, 4 - hb * (t + 1)), high, 0xF8);
+        v[0] = _mm512_ternarylogic_epi32(v[0], shifted512(p0, lb - hb * t), high, 0xF8);
+        v[1] = _mm512_ternarylogic_epi32(v[1], shifted512(p1, lb - hb * t), high, 0xF8);
+        v[2] = _mm512_ternarylogic_epi32(v[2], shifted512(p0, lb - hb * (t + 1)), high, 0xF8);
+        v[3] = _mm512_ternarylogic_epi32(v[3], shifted512(p1, lb - hb * (t + 1)), high, 0xF8);
     }
 }
 
@@ -1404,8 +1415,7 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
         int group, const float *sx, const float *xsum, float *c, int ldc, __mmask16 m0, __mmask16 m1) {
     const int es = half ? 2 : 4; /* bytes a scale or bias */
     const int ch = CH ? CH : chunks, step = bits == 8 ? 4 : 8; /* x's bytes a register of values takes */
-    const int planes = bits == 5 || bits == 6, nr = bits == 5 ? 4 : 2; /* (i8_values512) */
-    const int values = planes ? ch / (nr + 1) * nr : ch;               /* registers of nibbles or bytes a group */
+    const int values = bits == 8 ? ch : group / 8; /* values registers a group (i8_values512) */
     const long row = (long)P * k;
     __m512 f0[R], f1[R];
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) f0[i] = f1[i] = _mm512_setzero_ps();
@@ -1427,9 +1437,10 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
             ahead = (const char *)w + I8_AHEAD + ((long)g * ch + i8_reg(bits, cc)) * 128;
             _mm_prefetch(ahead, _MM_HINT_T0);
             _mm_prefetch(ahead + 64, _MM_HINT_T0);
-            if (planes && cc % nr == nr - 1) { /* the unit's plane, next */
-                _mm_prefetch(ahead + 128, _MM_HINT_T0);
-                _mm_prefetch(ahead + 192, _MM_HINT_T0);
+            if (bits != 8 && i8_hb(bits) && cc % i8_vr(bits) == i8_vr(bits) - 1) { /* the unit's plane */
+                ahead = (const char *)w + I8_AHEAD + ((long)g * ch + i8_plane(bits, cc)) * 128;
+                _mm_prefetch(ahead, _MM_HINT_T0);
+                _mm_prefetch(ahead + 64, _MM_HINT_T0);
             }
             __m512i v[4];
             i8_values512(bits, wg, bstride, cc, v);
@@ -1476,9 +1487,11 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
 }
 
 /* one tile of R_ rows of A, with the bits, parts and (groups of 32) count of registers as constants */
+/* one tile of R_ rows of A, with the width, parts and (groups of 32) count of registers as constants: 4, 6
+ * and 8 bits (the common ones; I8_TILE_RARE: 2, 3 and 5, fewer kinds of tiles for a shorter build) */
 #define I8_TILE(R_, P_)                                                                                       \
     do {                                                                                                      \
-        int bits_ = i8_bits(m), g32_ = m->group == 32;                                                         \
+        int bits_ = i8_bits(m), g32_ = m->group == 32;                                                        \
         if (bits_ == 4 && g32_)                                                                               \
             i8_tile(R_, 4, P_, 4, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, 32, s, t, cr, ldc, m0, m1); \
         else if (bits_ == 4)                                                                                  \
@@ -1487,14 +1500,19 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
             i8_tile(R_, 6, P_, 6, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, 32, s, t, cr, ldc, m0, m1); \
         else if (bits_ == 6)                                                                                  \
             i8_tile(R_, 6, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
-        else if (bits_ == 5 && g32_)                                                                          \
-            i8_tile(R_, 5, P_, 5, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, 32, s, t, cr, ldc, m0, m1); \
-        else if (bits_ == 5)                                                                                  \
-            i8_tile(R_, 5, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
         else if (g32_)                                                                                        \
             i8_tile(R_, 8, P_, 8, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, 32, s, t, cr, ldc, m0, m1); \
         else                                                                                                  \
             i8_tile(R_, 8, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
+    } while (0)
+#define I8_TILE_RARE(R_, P_)                                                                                  \
+    do {                                                                                                      \
+        if (i8_bits(m) == 5)                                                                                  \
+            i8_tile(R_, 5, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
+        else if (i8_bits(m) == 3)                                                                             \
+            i8_tile(R_, 3, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
+        else                                                                                                  \
+            i8_tile(R_, 2, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
     } while (0)
 
 /* Rows [r0, r1) of c (r0 a multiple of 32) from M rows of A: every 8 rows of A (4 with two parts: the sums'
@@ -1507,8 +1525,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
     long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
     int half = __atomic_load_n(&m->i8_half, __ATOMIC_RELAXED), es = half ? 2 : 4;
     const uint8_t *scales = p + blocks * bstride, *biases = scales + blocks * sstride * es;
-    for (int i0 = 0; i0 < M; i0 += most) {
-        int rows = M - i0 < most ? M - i0 : most;
+    int rare = i8_bits(m) == 2 || i8_bits(m) == 3 || i8_bits(m) == 5; /* tiles of `most` rows or of one */
+    for (int i0 = 0, rows; i0 < M; i0 += rows) {
+        rows = M - i0 >= most ? most : rare ? 1 : M - i0;
         const int8_t *x = in->xq + (long)i0 * parts * k;
         const float *s = in->sx + (long)i0 * groups, *t = in->xsum + (long)i0 * groups;
         for (int r = r0; r < r1; r += I8_W) {
@@ -1518,6 +1537,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
             const uint8_t *wb = p + b * bstride;
             const uint8_t *sc = scales + b * sstride * es, *bi = biases + b * sstride * es;
             float *cr = c + (long)i0 * ldc + r;
+            if (rare && parts == 1) {
+                if (rows == 8) I8_TILE_RARE(8, 1);
+                else I8_TILE_RARE(1, 1);
+                continue;
+            } else if (rare) {
+                if (rows == 4) I8_TILE_RARE(4, 2);
+                else I8_TILE_RARE(1, 2);
+                continue;
+            }
             switch (parts * 16 + rows) { /* a constant count of rows: their sums stay in registers */
             case 24: I8_TILE(8, 1); break;
             case 23: I8_TILE(7, 1); break;
@@ -1548,25 +1576,26 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i shifted256(
 /* i8_values512 with AVX2, for one block (at wg): v[0], v[1] its 64-byte register's halves (rows 0-7, 8-15) */
 __attribute__((target("avx2"), always_inline)) static inline void i8_values256(const int bits, const uint8_t *wg,
                                                                              int cc, __m256i *v) {
-    const int at = i8_reg(bits, cc), hb = bits - 4, nr = bits == 5 ? 4 : 2, t = 2 * (cc % nr);
+    const int at = i8_reg(bits, cc), lb = i8_lb(bits), hb = i8_hb(bits), c = bits == 8 ? 0 : cc % i8_vr(bits);
+    const int down = c % (4 / lb) * 4, t = 2 * c;
     __m256i v0 = _mm256_load_si256((const __m256i *)(wg + at * 64));
     __m256i v1 = _mm256_load_si256((const __m256i *)(wg + at * 64 + 32));
     if (bits == 8) {
         v[0] = v[2] = v0, v[1] = v[3] = v1;
         return;
     }
-    const __m256i low = _mm256_set1_epi8(15);
-    v[0] = _mm256_and_si256(v0, low), v[2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-    v[1] = _mm256_and_si256(v1, low), v[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-    if (bits == 5 || bits == 6) {
-        const __m256i high = _mm256_set1_epi8((char)(((1 << hb) - 1) << 4));
-        const int plane = (cc / nr * (nr + 1) + nr) * 64;
+    const __m256i low = _mm256_set1_epi8((char)((1 << lb) - 1));
+    v[0] = _mm256_and_si256(shifted256(v0, -down), low), v[2] = _mm256_and_si256(shifted256(v0, -down - lb), low);
+    v[1] = _mm256_and_si256(shifted256(v1, -down), low), v[3] = _mm256_and_si256(shifted256(v1, -down - lb), low);
+    if (hb) {
+        const __m256i high = _mm256_set1_epi8((char)(((1 << hb) - 1) << lb));
+        const int plane = i8_plane(bits, cc) * 64;
         __m256i p0 = _mm256_load_si256((const __m256i *)(wg + plane));
         __m256i p1 = _mm256_load_si256((const __m256i *)(wg + plane + 32));
-        v[0] = _mm256_or_si256(v[0], _mm256_and_si256(shifted256(p0, 4 - hb * t), high));
-        v[1] = _mm256_or_si256(v[1], _mm256_and_si256(shifted256(p1, 4 - hb * t), high));
-        v[2] = _mm256_or_si256(v[2], _mm256_and_si256(shifted256(p0, 4 - hb * (t + 1)), high));
-        v[3] = _mm256_or_si256(v[3], _mm256_and_si256(shifted256(p1, 4 - hb * (t + 1)), high));
+        v[0] = _mm256_or_si256(v[0], _mm256_and_si256(shifted256(p0, lb - hb * t), high));
+        v[1] = _mm256_or_si256(v[1], _mm256_and_si256(shifted256(p1, lb - hb * t), high));
+        v[2] = _mm256_or_si256(v[2], _mm256_and_si256(shifted256(p0, lb - hb * (t + 1)), high));
+        v[3] = _mm256_or_si256(v[3], _mm256_and_si256(shifted256(p1, lb - hb * (t + 1)), high));
     }
 }
 
@@ -1578,8 +1607,7 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
            const float *xsum, float *c, int ldc, int valid) {
     const int es = half ? 2 : 4;
     const int ch = CH ? CH : chunks, step = bits == 8 ? 4 : 8;
-    const int planes = bits == 5 || bits == 6, nr = bits == 5 ? 4 : 2;
-    const int values = planes ? ch / (nr + 1) * nr : ch;
+    const int values = bits == 8 ? ch : group / 8;
     const long row = (long)P * k;
     __m256 f0[R], f1[R];
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) f0[i] = f1[i] = _mm256_setzero_ps();
@@ -1593,7 +1621,8 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
         _Pragma("GCC unroll 8") for (int cc = 0; cc < values; cc++) {
             const int reg = i8_reg(bits, cc);
             _mm_prefetch((const char *)wg + I8_AHEAD + reg * 64, _MM_HINT_T0);
-            if (planes && cc % nr == nr - 1) _mm_prefetch((const char *)wg + I8_AHEAD + reg * 64 + 64, _MM_HINT_T0);
+            if (bits != 8 && i8_hb(bits) && cc % i8_vr(bits) == i8_vr(bits) - 1)
+                _mm_prefetch((const char *)wg + I8_AHEAD + i8_plane(bits, cc) * 64, _MM_HINT_T0);
             __m256i v[4];
             i8_values256(bits, wg, cc, v);
             const __m256i lo0 = v[0], lo1 = v[1], hi0 = v[2], hi1 = v[3];
@@ -1652,6 +1681,10 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
             i8_tile256(R_, 6, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
         else if (bits_ == 5)                                                                                  \
             i8_tile256(R_, 5, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
+        else if (bits_ == 3)                                                                                  \
+            i8_tile256(R_, 3, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
+        else if (bits_ == 2)                                                                                  \
+            i8_tile256(R_, 2, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
         else if (g32_)                                                                                        \
             i8_tile256(R_, 8, P_, 8, groups, chunks, wb, sc, bi, half, x, k, 32, s, t, cr, ldc, valid);             \
         else                                                                                                  \
@@ -1666,8 +1699,9 @@ __attribute__((target("avx2,avxvnni,fma,f16c"))) static void i8_rows256(const qm
     long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
     int half = __atomic_load_n(&m->i8_half, __ATOMIC_RELAXED), es = half ? 2 : 4;
     const uint8_t *scales = p + blocks * bstride, *biases = scales + blocks * sstride * es;
-    for (int i0 = 0; i0 < M; i0 += most) {
-        int rows = M - i0 < most ? M - i0 : most;
+    int rare = i8_bits(m) == 2 || i8_bits(m) == 3 || i8_bits(m) == 5; /* tiles of `most` rows or of one */
+    for (int i0 = 0, rows; i0 < M; i0 += rows) {
+        rows = M - i0 >= most ? most : rare ? 1 : M - i0;
         const int8_t *x = in->xq + (long)i0 * parts * k;
         const float *s = in->sx + (long)i0 * groups, *t = in->xsum + (long)i0 * groups;
         for (int r = r0; r < r1; r += 16) {
