@@ -794,8 +794,53 @@ def test_avx_vnni_products_are_the_avx512_ones_to_the_last_bit(openblas: Any) ->
     shim.mlxpipe_qgemv_avx2(0)
     if not both:
         pytest.skip("no AVX-VNNI beside AVX-512 VNNI on this CPU")
+    _avx_vnni_tiles_match(shim)
+
+
+def test_avx_vnni_tiles_by_avx512s_vnni_are_the_avx512_ones(openblas: Any, tmp_path: Path) -> None:
+    # Where the CPU has AVX-512 VNNI but not AVX-VNNI (Zen 4), the AVX2 tiles still run: built with AVX-512
+    # VL's encoding of the same 256-bit vpdpbusd (a test build), they give AVX-512's numbers, every width.
+    cc = shutil.which("cc")
+    shim = _own_shim(openblas, quantized=True)
+    if cc is None or shim.mlxpipe_qgemm_int8(2) != 2:
+        pytest.skip("no C compiler or no AVX-512 VNNI on this CPU")
+    source = (Path(gemv.__file__).parent / "gemv.c").read_text()
+    detect = "int avxvnni = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);"
+    assert source.count(detect) == 1 and "avx2,avxvnni," in source
+    source = source.replace(
+        detect, 'int avxvnni = __builtin_cpu_supports("avx512vl"); (void)a, (void)b, (void)c, (void)d;'
+    )
+    source = source.replace("avx2,avxvnni,", "avx2,avx512vnni,avx512vl,")
+    source = source.replace("_mm256_dpbusd_avx_epi32", "_mm256_dpbusd_epi32")
+    (tmp_path / "vnni.c").write_text(source)
+    command = [
+        cc,
+        "-O2",
+        "-shared",
+        "-fPIC",
+        "-o",
+        str(tmp_path / "vnni.so"),
+        str(tmp_path / "vnni.c"),
+        "-lm",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    emulated = ctypes.CDLL(str(tmp_path / "vnni.so"), mode=ctypes.RTLD_LOCAL)
+    assert emulated.mlxpipe_gemv_init(
+        ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
+    )
+    emulated.mlxpipe_qgemv_avx2(1)
+    if emulated.mlxpipe_qgemm_int8(2) != 2:
+        pytest.skip("no AVX-512 VL on this CPU")
+    emulated.mlxpipe_qgemv_avx2(0)
+    _avx_vnni_tiles_match(emulated)
+
+
+def _avx_vnni_tiles_match(shim: Any) -> None:
+    """Products by ``shim``'s AVX2 integer tiles (mlxpipe_qgemv_avx2) are its AVX-512 ones, to the bit."""
     rng = np.random.default_rng(31)
     ptr = ctypes.c_void_p
+    shim.mlxpipe_qgemm_max_rows(gemv.MAX_ROWS)
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
     shapes += [(193, 576, 6, 32), (577, 640, 6, 64), (97, 512, 5, 32), (40, 256, 5, 128), (97, 512, 3, 64)]
     shapes += [(40, 256, 2, 32)]
