@@ -331,13 +331,25 @@ def test_a_library_without_sgemv_is_left_alone() -> None:
 def _quantized(rng: Any, n: int, k: int, bits: int, group: int = 32) -> tuple[np.ndarray, ...]:
     """A random matrix in mlx's affine layout: (float32 weight, packed bytes, scales, biases)."""
     q = rng.integers(0, 2**bits, size=(n, k), dtype=np.uint8)
-    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8) if bits == 4 else q.copy()  # low bits first
+    packed = _packed(q, bits)
     scales = (rng.standard_normal((n, k // group)) * 0.02).astype(np.float32)
     biases = (rng.standard_normal((n, k // group)) * 0.02).astype(np.float32)
     weight = (
         (q.reshape(n, -1, group) * scales[..., None] + biases[..., None]).reshape(n, k).astype(np.float32)
     )
     return weight, packed, scales, biases
+
+
+def _packed(q: np.ndarray, bits: int) -> np.ndarray:
+    """Values q (n x k) packed as mlx packs them: a little-endian stream of `bits`-bit values, low first."""
+    stream = ((q[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(q.shape[0], -1)
+    return np.packbits(stream, axis=1, bitorder="little")
+
+
+def _values(packed: np.ndarray, bits: int) -> np.ndarray:
+    """:func:`_packed`'s values again (int64)."""
+    stream = np.unpackbits(packed, axis=1, bitorder="little").reshape(packed.shape[0], -1, bits)
+    return (stream.astype(np.int64) << np.arange(bits)).sum(-1)
 
 
 def _register(shim: Any, arrays: tuple[np.ndarray, ...], bits: int, group: int = 32) -> None:
@@ -657,9 +669,7 @@ def _int8_reference(
     127) to q1 + q2 / 256 (q1 rounded to nearest, q2 the rest rounded, with two parts), integer dot products,
     then the sum over groups of scale * sx * dot + bias * sum(x)."""
     n, groups = scales.shape
-    q = np.empty((n, packed.shape[1] * 2), np.int64) if bits == 4 else packed.astype(np.int64)
-    if bits == 4:
-        q[:, 0::2], q[:, 1::2] = packed & 15, packed >> 4
+    q = _values(packed, bits)
     xg = x.reshape(x.shape[0], groups, -1)
     amax = np.abs(xg).max(-1)
     inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
@@ -683,9 +693,12 @@ def test_int8_products_sum_integers_and_a_rows_numbers_depend_on_it_alone(openbl
         pytest.skip("no AVX-512 VNNI on this CPU")
     rng = np.random.default_rng(29)
     ptr = ctypes.c_void_p
-    # Partial tiles of 32 rows of W and of 8 of A; 4 and 8 bits; groups of 32, 64, 128; 300 rows of A.
+    # Partial tiles of 32 rows of W and of 8 of A; 2 to 8 bits (2, 3, 5, 6: low bits and a plane of high
+    # bits); groups of 32, 64, 128; 300 rows of A.
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
     shapes += [(40, 256, 4, 128), (13, 128, 8, 32)]  # smaller than sgemv is worth: still these kernels
+    shapes += [(1536, 576, 6, 32), (193, 640, 6, 64), (97, 512, 6, 128), (577, 576, 5, 32), (40, 512, 5, 128)]
+    shapes += [(193, 576, 3, 32), (97, 512, 3, 128), (40, 640, 2, 64)]
     try:
         for (n, k, bits, group), threads in itertools.product(shapes, [1, 2]):
             shim.mlxpipe_qgemm_threads(threads)
@@ -742,6 +755,7 @@ def test_float16_scales_kept_in_16_bits_give_the_same_numbers(openblas: Any) -> 
     shim.mlxpipe_qgemv_avx2(0)
     rng = np.random.default_rng(37)
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
+    shapes += [(193, 576, 6, 32), (97, 512, 5, 64)]
     try:
         for (n, k, bits, group), parts in itertools.product(shapes, [1, 2]):
             shim.mlxpipe_qgemm_int8(parts)
@@ -784,9 +798,56 @@ def test_avx_vnni_products_are_the_avx512_ones_to_the_last_bit(openblas: Any) ->
     shim.mlxpipe_qgemv_avx2(0)
     if not both:
         pytest.skip("no AVX-VNNI beside AVX-512 VNNI on this CPU")
+    _avx_vnni_tiles_match(shim)
+
+
+def test_avx_vnni_tiles_by_avx512s_vnni_are_the_avx512_ones(openblas: Any, tmp_path: Path) -> None:
+    # Where the CPU has AVX-512 VNNI but not AVX-VNNI (Zen 4), the AVX2 tiles still run: built with AVX-512
+    # VL's encoding of the same 256-bit vpdpbusd (a test build), they give AVX-512's numbers, every width.
+    cc = shutil.which("cc")
+    shim = _own_shim(openblas, quantized=True)
+    if cc is None or shim.mlxpipe_qgemm_int8(2) != 2:
+        pytest.skip("no C compiler or no AVX-512 VNNI on this CPU")
+    source = (Path(gemv.__file__).parent / "gemv.c").read_text()
+    detect = "int avxvnni = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);"
+    assert source.count(detect) == 1 and "avx2,avxvnni," in source
+    source = source.replace(
+        detect, 'int avxvnni = __builtin_cpu_supports("avx512vl"); (void)a, (void)b, (void)c, (void)d;'
+    )
+    source = source.replace("avx2,avxvnni,", "avx2,avx512vnni,avx512vl,")
+    source = source.replace("_mm256_dpbusd_avx_epi32", "_mm256_dpbusd_epi32")
+    (tmp_path / "vnni.c").write_text(source)
+    command = [
+        cc,
+        "-O2",
+        "-shared",
+        "-fPIC",
+        "-o",
+        str(tmp_path / "vnni.so"),
+        str(tmp_path / "vnni.c"),
+        "-lm",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    emulated = ctypes.CDLL(str(tmp_path / "vnni.so"), mode=ctypes.RTLD_LOCAL)
+    assert emulated.mlxpipe_gemv_init(
+        ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
+    )
+    emulated.mlxpipe_qgemv_avx2(1)
+    if emulated.mlxpipe_qgemm_int8(2) != 2:
+        pytest.skip("no AVX-512 VL on this CPU")
+    emulated.mlxpipe_qgemv_avx2(0)
+    _avx_vnni_tiles_match(emulated)
+
+
+def _avx_vnni_tiles_match(shim: Any) -> None:
+    """Products by ``shim``'s AVX2 integer tiles (mlxpipe_qgemv_avx2) are its AVX-512 ones, to the bit."""
     rng = np.random.default_rng(31)
     ptr = ctypes.c_void_p
+    shim.mlxpipe_qgemm_max_rows(gemv.MAX_ROWS)
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
+    shapes += [(193, 576, 6, 32), (577, 640, 6, 64), (97, 512, 5, 32), (40, 256, 5, 128), (97, 512, 3, 64)]
+    shapes += [(40, 256, 2, 32)]
     try:
         for (n, k, bits, group), threads, parts in itertools.product(shapes, [1, 2], [1, 2]):
             shim.mlxpipe_qgemm_threads(threads)

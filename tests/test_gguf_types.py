@@ -203,7 +203,7 @@ def test_other_bit_widths_take_the_integer_products_only() -> None:
 
     w = np.zeros((64, 128), np.float32)
     s = np.ones((64, 4), np.float32)
-    # 3-, 5- and 6-bit forms are registered where the integer products run (their copy repacked in bytes),
+    # 3-, 5- and 6-bit forms are registered where the integer products run (their copies packed for them),
     # else never: their products stay on the float path.
     for bits in (3, 5, 6):
         q = np.zeros((64, 128 * bits // 32), np.uint32)

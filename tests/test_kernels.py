@@ -5,6 +5,7 @@ converter writes."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -59,6 +60,44 @@ def test_every_width_and_group_matches_mlxs_quantized_matmul(bits: int, group: i
     want = _reference(x, q, scales, biases, bits, group)
     assert kernels.product(x, matrix).shape == (2, 5, 96)
     assert _close(kernels.product(x.transpose(1, 0, 2), matrix), want.transpose(1, 0, 2))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+def test_two_to_six_bit_copies_match_mlx_at_every_shape_and_kind(bits: int) -> None:
+    # 2-, 3-, 5- and 6-bit matrices are packed in as many bits (low bits, and a plane of high bits, joined in
+    # registers): one row and many, partial tiles of rows, groups of 32, 64, 128, scales in 16 bits (float16
+    # values) or 32, on the best kernels, the AVX2 ones (AVX-VNNI, where the CPU has it) and the plain loop
+    # (MLXPIPE_INT8 off, from the source arrays), all against mlx's own quantized_matmul.
+    if not gemv.int8_activations():
+        pytest.skip("no integer products here: other widths than 4 and 8 bits are not registered")
+    shapes = [(96, 256, 32), (193, 576, 32), (577, 640, 64), (40, 1024, 128)]
+    ran = set()
+    try:
+        for (n, k, group), half, kind in itertools.product(
+            shapes, [False, True], ["best", "avx2", "portable"]
+        ):
+            q, scales, biases = _matrix(n, k, bits, group, seed=n + bits + half)
+            if half:  # a GGUF's scales: float16 values, kept in 16 bits
+                scales, biases = (a.astype(mx.float16).astype(mx.float32) for a in (scales, biases))
+            gemv._shim.mlxpipe_qgemv_avx2(int(kind == "avx2"))
+            matrix = kernels.Matrix.register(q, scales, biases, bits, group)
+            if matrix is None:
+                assert kind == "avx2"  # a CPU with AVX-512 VNNI but not AVX-VNNI
+                continue
+            if kind == "portable":
+                gemv.use_int8(0)
+            plain = ctypes.c_long.in_dll(gemv._shim, "mlxpipe_qproduct_plain_calls").value
+            for rows in (1, 2, 9, 33):
+                x = mx.random.normal((rows, k))
+                want = _reference(x, q, scales, biases, bits, group)
+                assert _close(kernels.product(x, matrix), want), (n, k, group, half, kind, rows)
+            plain = ctypes.c_long.in_dll(gemv._shim, "mlxpipe_qproduct_plain_calls").value - plain
+            assert plain == (4 if kind == "portable" else 0)
+            gemv.use_int8(gemv.int8_parts())
+            ran.add(kind)
+    finally:
+        gemv._shim.mlxpipe_qgemv_avx2(0)
+    assert {"best", "portable"} <= ran
 
 
 def test_a_fused_gate_and_up_gives_the_swiglu_of_its_halves() -> None:
@@ -142,3 +181,50 @@ def test_a_kernel_build_that_fails_is_said_once_and_the_model_computes_in_float3
     assert b"Paris" in r.stdout
     info = json.loads(run_cli(["--model-info"], env=env).stdout)
     assert info["dtype"] == "float32"
+
+
+@pytest.mark.model
+def test_a_six_bit_model_gives_mlx_lms_greedy_tokens(engine: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    # The embedded model requantized to 6 bits, group 32 (every matrix packed as a nibble plane and a plane
+    # of high bits): mlxpipe's greedy tokens are mlx-lm's on the same folder (mlx's own quantized kernels).
+    import shutil
+    from pathlib import Path
+
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import dequantize_model, load_model, quantize_model, save_config, save_model
+
+    from mlxpipe.cpu import quantized
+    from mlxpipe.engine import Engine
+    from mlxpipe.engine.generate import stream_generate
+    from mlxpipe.reader import records_from_objects
+
+    if not gemv.int8_activations():
+        pytest.skip("no integer products here: 6-bit matrices are dequantized")
+    source = Path(engine.folder)
+    folder = tmp_path / "six"
+    folder.mkdir()
+    model, config = load_model(source)
+    config.pop("quantization", None), config.pop("quantization_config", None)
+    model, config = quantize_model(dequantize_model(model), config, 32, 6)
+    save_model(folder, model)
+    save_config(config, folder / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ours = Engine.load(str(folder))
+    down = ours.model.model.layers[0].mlp.down_proj.__dict__[quantized.MATRIX]
+    assert ours.dtype == "quantized" and isinstance(down, kernels.Matrix)
+    reference, tokenizer = mlx_lm.load(str(folder))
+    (record,) = records_from_objects(["What is the capital of France? Answer in one sentence."])
+    tokens = ours.prompts.tokens(record)
+    runs = []
+    for generate, model, tok in (
+        (stream_generate, ours.model, ours.tokenizer),
+        (mlx_lm.stream_generate, reference, tokenizer),
+    ):
+        responses = generate(
+            model, tok, tokens, max_tokens=16, sampler=make_sampler(0.0), logits_processors=[]
+        )
+        runs.append([r.token for r in responses])
+    assert runs[0] == runs[1] and len(runs[0]) > 4, runs

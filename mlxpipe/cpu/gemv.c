@@ -76,7 +76,7 @@ static int integer_products(void);
  * 0 when the CPU or the layout has no kernel. */
 static qmat *enter(const float *w, int n, int k, int bits, int group, const void *q, const float *scales,
                    const float *biases) {
-    /* 2, 3, 5 and 6 bits: the integer products only (their copy repacked in bytes) */
+    /* 2, 3, 5 and 6 bits: the integer products only (their copy packed for them alone) */
     int wide = bits == 2 || bits == 3 || bits == 5 || bits == 6;
     if (!mlxpipe_qgemv_available() || !(bits == 4 || bits == 8 || (wide && integer_products())) || group % 32 ||
         k % group || registered >= TABLE / 2)
@@ -608,7 +608,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void transpose8
 }
 
 /* at (k x mpad) = A (M x k) transposed, columns in the kernels' order, rows past M zero: eight rows of A at
- * a time by 8 x 8 transposes (a copy; the strided scalar loop was ~4% of a --batch 64 decode step). */
+ * a time by 8 x 8 transposes (a copy: cheaper than the strided scalar loop). */
 __attribute__((target("avx2,fma"))) static void gemm_pack(const qmat *m, int M, const float *a, int lda, float *at,
                                                           int mpad) {
     int k = m->k, k2 = k / 2, M8 = k % 16 ? 0 : M / 8 * 8;
@@ -934,7 +934,7 @@ amx_pack(const qmat *m, int M, const float *a, int lda, uint8_t *xt, float *xs, 
                 }
             }
             /* a tile's row p holds pair p of each of the 16 rows (AMX's layout for its second operand): the
-             * 16 x 16 pairs transposed in registers (in place of 16 gathers a part: 2-3% off a 64-row product) */
+             * 16 x 16 pairs transposed in registers (cheaper than 16 gathers a part) */
             uint8_t *tiles = xt + ((long)g * blocks + ib) * 3 * TILE;
             for (int part = 0; part < 3; part++) {
                 __m512 r[16];
@@ -968,7 +968,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,fma"))) static void amx_decod
     for (int n = 0; n < 16; n++) {
         const uint8_t *q = m->q + (long)(nb + n) * stride;
         __m512i *row = (__m512i *)wt + n;
-        if (nb + 16 + n < m->n) { /* the same row of the next pass: fetched meanwhile (~5% at 16 rows of A) */
+        if (nb + 16 + n < m->n) { /* the same row of the next pass: fetched meanwhile */
             for (long at = 0; at < stride; at += 64) _mm_prefetch((const char *)q + 16 * stride + at, _MM_HINT_T0);
             long next = (long)(nb + 16 + n) * groups;
             for (int at = 0; at < groups; at += 16) {
@@ -1113,15 +1113,20 @@ amx_rows(const qmat *m, const uint8_t *xt, const float *xs, int blocks, int M, f
 /* ---- 8-bit activations: integer dot products (AVX-512 VNNI, AVX-VNNI) -----------------------------------
  * Where the CPU has VNNI, a product by an attached matrix (one row, a batch's rows, a prompt's) multiplies
  * integers: each row of A is split per group of W (scale sx = max|x| / 127) into two 8-bit parts, x / sx =
- * q1 + q2 / 256 (|error| <= sx / 512: the embedded model's perplexity the same to four digits, its top token
- * the same at 99.9% of positions), or with MLXPIPE_INT8=1 into one, as llama.cpp's CPU products do (~1.4x
- * faster again; perplexity +1.6%, greedy answers part from float32's); vpdpbusd multiplies W's 4- or 8-bit
- * values by those bytes, 64 at a time, exactly. Each output then adds, group by group, (scale * sx) * dot +
+ * q1 + q2 / 256 (|error| <= sx / 512: answers as float32's), or with MLXPIPE_INT8=1 into one, as llama.cpp's
+ * CPU products do (faster; greedy answers part from float32's); vpdpbusd multiplies W's 4- to 8-bit values
+ * by those bytes, 64 at a time, exactly. Each output then adds, group by group, (scale * sx) * dot +
  * bias * sum(x), by the same float32 operations whatever the number of rows of A and however the rows of W
  * are split between the threads: a row's numbers depend on that row alone, the same at --batch 1 and in any
- * batch or prompt (bench/RESULTS.md, issue 19).
+ * batch or prompt.
  * W is repacked once, on its first such product, 16 rows a register: lane n holds 4 bytes of row n, for
- * 4 bits the values j (low nibble) and j + 4 (high) of 8 consecutive ones, for 8 bits 4 consecutive ones. */
+ * 4 bits the values j (low nibble) and j + 4 (high) of 8 consecutive ones, for 8 bits 4 consecutive ones.
+ * 2-, 3-, 5- and 6-bit values are kept in as many bits (a 6-bit copy streams 7 bits a weight with its scales,
+ * not 9): their low lb bits (4, or 2 below 4 bits) in registers whose byte j holds values j, j + 4, ... lb bits
+ * each (as 4-bit ones), their hb high bits (3, 5, 6 bits) in a plane after each unit of vr "values registers"
+ * (8 values a row each: vr = 4 / hb); the plane's byte j holds field t = 2 c + h (hb bits at hb t) of the
+ * unit's value 8 c + 4 h + j. The tiles join the two in registers (shifts, masks, or) before vpdpbusd: the
+ * same bytes as a copy of a byte a value. */
 static int i8_wanted = 2; /* 8-bit parts an activation is split into: 0 (the float32 kernels), 1, 2 (gemv.py) */
 #ifdef X86_AVX512
 enum { I8_W = 32, I8_AHEAD = 16384 }; /* a tile's rows of W (two registers of 16); bytes fetched ahead */
@@ -1150,8 +1155,22 @@ static int i8_runs(void) {
     return (kernels() == 2 && (i8_cpu & 2)) || (kernels() == 1 && (i8_cpu & 1)) ? i8_wanted : 0;
 }
 
-/* The bits a value of W takes in its repacked copy: 4 or 8 (2-, 3-, 5- and 6-bit values in bytes, as 8-bit ones) */
-static int i8_bits(const qmat *m) { return m->bits == 4 ? 4 : 8; }
+/* The bits a value of W takes in its repacked copy: its own (8 for 8-bit ones) */
+static int i8_bits(const qmat *m) { return m->bits; }
+
+/* The geometry of a width below 8 bits (above): its low bits, high bits (0: no plane), values registers a
+ * unit, and 64-byte registers a unit (its low ones, then its plane) */
+static inline int i8_lb(const int bits) { return bits >= 4 ? 4 : 2; }
+static inline int i8_hb(const int bits) { return bits == 3 || bits == 5 || bits == 6 ? bits - i8_lb(bits) : 0; }
+static inline int i8_vr(const int bits) { return i8_hb(bits) ? 4 / i8_hb(bits) : 4 / i8_lb(bits); }
+static inline int i8_lows(const int bits) { return i8_vr(bits) * i8_lb(bits) / 4; }
+static inline int i8_unit(const int bits) { return i8_lows(bits) + (i8_hb(bits) > 0); }
+
+/* The register of a group's (64 bytes each) holding values register cc's low bits, and the plane for its high */
+static inline int i8_reg(const int bits, int cc) {
+    return bits == 8 ? cc : cc / i8_vr(bits) * i8_unit(bits) + cc % i8_vr(bits) * i8_lb(bits) / 4;
+}
+static inline int i8_plane(const int bits, int cc) { return cc / i8_vr(bits) * i8_unit(bits) + i8_lows(bits); }
 
 /* 64-byte registers a group of 16 rows of W takes */
 static int i8_chunks(const qmat *m) { return m->group * i8_bits(m) / 32; }
@@ -1161,6 +1180,25 @@ static int i8_blocks(const qmat *m) { return (m->n + I8_W - 1) / I8_W * (I8_W / 
 static uint32_t nibbles_apart(uint32_t x) {
     x = (x & 0xFF0000FFu) | ((x >> 8) & 0x0000FF00u) | ((x << 8) & 0x00FF0000u);
     return (x & 0xF00FF00Fu) | ((x << 4) & 0x0F000F00u) | ((x >> 4) & 0x00F000F0u);
+}
+
+/* Word wd (of 16 lanes' registers) of a row of 2-, 3-, 5- or 6-bit values: of a unit's low bits or its plane */
+static uint32_t planes_word(const uint8_t *row, long row_bytes, long wd, int bits) {
+    int lb = i8_lb(bits), hb = i8_hb(bits), slot = (int)(wd % i8_unit(bits));
+    long first = wd / i8_unit(bits) * 8 * i8_vr(bits); /* the unit's first value */
+    uint32_t v = 0;
+    if (slot < i8_lows(bits)) { /* byte j: values j + 4 q of the word's 32 / lb, lb bits each */
+        for (int j = 0; j < 4; j++)
+            for (int q = 0; q < 8 / lb; q++)
+                v |= (value_at(row, row_bytes, first + slot * 32 / lb + j + 4 * q, bits) & ((1u << lb) - 1))
+                     << (8 * j + lb * q);
+        return v;
+    }
+    for (int c = 0; c < i8_vr(bits); c++)
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 4; j++)
+                v |= (value_at(row, row_bytes, first + 8 * c + 4 * h + j, bits) >> lb) << (8 * j + hb * (2 * c + h));
+    return v;
 }
 
 /* Whether every scale and bias of m is a float16 value (a GGUF file's are): then the repacked copy keeps them in
@@ -1206,8 +1244,7 @@ static uint8_t *i8_pack(const qmat *m) {
             for (long wd = 0; wd < words; wd++) { /* word wd of a row: group wd / chunks, register wd % chunks */
                 uint32_t v = 0;
                 if (r < n && m->bits % 4 == 0) memcpy(&v, m->q + (r * words + wd) * 4, 4);
-                else if (r < n) /* 4 values of another width, a byte each */
-                    for (int e = 0; e < 4; e++) v |= value_at(m->q + r * row_bytes, row_bytes, wd * 4 + e, m->bits) << 8 * e;
+                else if (r < n) v = planes_word(m->q + r * row_bytes, row_bytes, wd, m->bits);
                 w[((long)b * groups * chunks + wd) * 16 + lane] = m->bits == 4 ? nibbles_apart(v) : v;
             }
             for (int g = 0; g < groups; g++) {
@@ -1338,6 +1375,38 @@ __attribute__((target("avx2,fma"))) static void i8_quantize256(const qmat *m, in
     (half ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)((p) + 2 * (long)(i))))                      \
           : _mm512_load_ps((const float *)(p) + (i)))
 
+/* v's 16-bit lanes shifted left by s (right by -s where s < 0), s a constant after unrolling */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i shifted512(__m512i v, int s) {
+    return s > 0 ? _mm512_slli_epi16(v, s) : s < 0 ? _mm512_srli_epi16(v, -s) : v;
+}
+
+/* Values register cc of a group of W's two blocks (at wg and wg + bstride) as the bytes vpdpbusd multiplies:
+ * v[0], v[1] the values x's 4 bytes at cc * step meet (step: 4 bytes for 8 bits, else 8), v[2], v[3] (below 8
+ * bits) those the next 4 meet: the low bits (shifted down to bit 0, masked), with fields 2 c and 2 c + 1 of the
+ * unit's plane moved up to bit lb and or-ed in (0xF8: a | b & c). */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline void
+i8_values512(const int bits, const uint8_t *wg, long bstride, int cc, __m512i *v) {
+    const int at = i8_reg(bits, cc), lb = i8_lb(bits), hb = i8_hb(bits), c = bits == 8 ? 0 : cc % i8_vr(bits);
+    const int down = c % (4 / lb) * 4, t = 2 * c; /* (2 bits: two values registers a low register) */
+    __m512i v0 = _mm512_load_si512(wg + at * 64), v1 = _mm512_load_si512(wg + bstride + at * 64);
+    if (bits == 8) {
+        v[0] = v[2] = v0, v[1] = v[3] = v1;
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8((char)((1 << lb) - 1));
+    v[0] = _mm512_and_si512(shifted512(v0, -down), low), v[2] = _mm512_and_si512(shifted512(v0, -down - lb), low);
+    v[1] = _mm512_and_si512(shifted512(v1, -down), low), v[3] = _mm512_and_si512(shifted512(v1, -down - lb), low);
+    if (hb) {
+        const __m512i high = _mm512_set1_epi8((char)(((1 << hb) - 1) << lb));
+        const int plane = i8_plane(bits, cc) * 64;
+        __m512i p0 = _mm512_load_si512(wg + plane), p1 = _mm512_load_si512(wg + bstride + plane);
+        v[0] = _mm512_ternarylogic_epi32(v[0], shifted512(p0, lb - hb * t), high, 0xF8);
+        v[1] = _mm512_ternarylogic_epi32(v[1], shifted512(p1, lb - hb * t), high, 0xF8);
+        v[2] = _mm512_ternarylogic_epi32(v[2], shifted512(p0, lb - hb * (t + 1)), high, 0xF8);
+        v[3] = _mm512_ternarylogic_epi32(v[3], shifted512(p1, lb - hb * (t + 1)), high, 0xF8);
+    }
+}
+
 /* 32 rows of W (two blocks of 16, w and w + bstride) by R rows of A (x, each row `parts` parts of k bytes):
  * c[i][0..32) under the masks. CH: W's registers a group when a constant (groups of 32), else 0 (chunks). */
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static inline void
@@ -1345,8 +1414,8 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
         long bstride, const uint8_t *sc, const uint8_t *bi, long sstride, int half, const int8_t *xq, int k,
         int group, const float *sx, const float *xsum, float *c, int ldc, __mmask16 m0, __mmask16 m1) {
     const int es = half ? 2 : 4; /* bytes a scale or bias */
-    const __m512i low = _mm512_set1_epi8(15);
-    const int ch = CH ? CH : chunks, step = bits == 4 ? 8 : 4; /* x's bytes a register of W takes */
+    const int ch = CH ? CH : chunks, step = bits == 8 ? 4 : 8; /* x's bytes a register of values takes */
+    const int values = bits == 8 ? ch : group / 8; /* values registers a group (i8_values512) */
     const long row = (long)P * k;
     __m512 f0[R], f1[R];
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) f0[i] = f1[i] = _mm512_setzero_ps();
@@ -1364,16 +1433,18 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
         ahead = (const char *)bi + (I8_AHEAD / ch + g * 128) / 4 * es;
         _mm_prefetch(ahead, _MM_HINT_T0);
         _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        _Pragma("GCC unroll 8") for (int cc = 0; cc < ch; cc++) {
-            ahead = (const char *)w + I8_AHEAD + ((long)g * ch + cc) * 128;
+        _Pragma("GCC unroll 8") for (int cc = 0; cc < values; cc++) {
+            ahead = (const char *)w + I8_AHEAD + ((long)g * ch + i8_reg(bits, cc)) * 128;
             _mm_prefetch(ahead, _MM_HINT_T0);
             _mm_prefetch(ahead + 64, _MM_HINT_T0);
-            __m512i v0 = _mm512_load_si512(wg + cc * 64), v1 = _mm512_load_si512(wg + bstride + cc * 64);
-            __m512i lo0 = v0, lo1 = v1, hi0 = v0, hi1 = v1;
-            if (bits == 4) {
-                lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-                lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+            if (bits != 8 && i8_hb(bits) && cc % i8_vr(bits) == i8_vr(bits) - 1) { /* the unit's plane */
+                ahead = (const char *)w + I8_AHEAD + ((long)g * ch + i8_plane(bits, cc)) * 128;
+                _mm_prefetch(ahead, _MM_HINT_T0);
+                _mm_prefetch(ahead + 64, _MM_HINT_T0);
             }
+            __m512i v[4];
+            i8_values512(bits, wg, bstride, cc, v);
+            const __m512i lo0 = v[0], lo1 = v[1], hi0 = v[2], hi1 = v[3];
             _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
                 _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
                     const int8_t *at = xg + i * row + p * k + cc * step;
@@ -1382,7 +1453,7 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
                     __m512i a = _mm512_set1_epi32(xa), *s0 = p ? e0 : d0, *s1 = p ? e1 : d1;
                     s0[i] = _mm512_dpbusd_epi32(s0[i], lo0, a);
                     s1[i] = _mm512_dpbusd_epi32(s1[i], lo1, a);
-                    if (bits == 4) { /* the high nibbles: the next 4 values of x */
+                    if (bits != 8) { /* the high nibbles: the next 4 values of x */
                         int32_t xb;
                         memcpy(&xb, at + 4, 4);
                         __m512i b = _mm512_set1_epi32(xb);
@@ -1416,16 +1487,32 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
 }
 
 /* one tile of R_ rows of A, with the bits, parts and (groups of 32) count of registers as constants */
+/* one tile of R_ rows of A, with the width, parts and (groups of 32) count of registers as constants: 4, 6
+ * and 8 bits (the common ones; I8_TILE_RARE: 2, 3 and 5, fewer kinds of tiles for a shorter build) */
 #define I8_TILE(R_, P_)                                                                                       \
     do {                                                                                                      \
-        if (m->bits == 4 && m->group == 32)                                                                   \
+        int bits_ = i8_bits(m), g32_ = m->group == 32;                                                        \
+        if (bits_ == 4 && g32_)                                                                               \
             i8_tile(R_, 4, P_, 4, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, 32, s, t, cr, ldc, m0, m1); \
-        else if (m->bits == 4)                                                                                \
+        else if (bits_ == 4)                                                                                  \
             i8_tile(R_, 4, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
-        else if (m->group == 32)                                                                              \
+        else if (bits_ == 6 && g32_)                                                                          \
+            i8_tile(R_, 6, P_, 6, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, 32, s, t, cr, ldc, m0, m1); \
+        else if (bits_ == 6)                                                                                  \
+            i8_tile(R_, 6, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
+        else if (g32_)                                                                                        \
             i8_tile(R_, 8, P_, 8, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, 32, s, t, cr, ldc, m0, m1); \
         else                                                                                                  \
             i8_tile(R_, 8, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
+    } while (0)
+#define I8_TILE_RARE(R_, P_)                                                                                  \
+    do {                                                                                                      \
+        if (i8_bits(m) == 5)                                                                                  \
+            i8_tile(R_, 5, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
+        else if (i8_bits(m) == 3)                                                                             \
+            i8_tile(R_, 3, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
+        else                                                                                                  \
+            i8_tile(R_, 2, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
     } while (0)
 
 /* Rows [r0, r1) of c (r0 a multiple of 32) from M rows of A: every 8 rows of A (4 with two parts: the sums'
@@ -1438,8 +1525,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
     long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
     int half = __atomic_load_n(&m->i8_half, __ATOMIC_RELAXED), es = half ? 2 : 4;
     const uint8_t *scales = p + blocks * bstride, *biases = scales + blocks * sstride * es;
-    for (int i0 = 0; i0 < M; i0 += most) {
-        int rows = M - i0 < most ? M - i0 : most;
+    int rare = i8_bits(m) == 2 || i8_bits(m) == 3 || i8_bits(m) == 5; /* tiles of `most` rows or of one */
+    for (int i0 = 0, rows; i0 < M; i0 += rows) {
+        rows = M - i0 >= most ? most : rare ? 1 : M - i0;
         const int8_t *x = in->xq + (long)i0 * parts * k;
         const float *s = in->sx + (long)i0 * groups, *t = in->xsum + (long)i0 * groups;
         for (int r = r0; r < r1; r += I8_W) {
@@ -1449,6 +1537,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
             const uint8_t *wb = p + b * bstride;
             const uint8_t *sc = scales + b * sstride * es, *bi = biases + b * sstride * es;
             float *cr = c + (long)i0 * ldc + r;
+            if (rare && parts == 1) {
+                if (rows == 8) I8_TILE_RARE(8, 1);
+                else I8_TILE_RARE(1, 1);
+                continue;
+            } else if (rare) {
+                if (rows == 4) I8_TILE_RARE(4, 2);
+                else I8_TILE_RARE(1, 2);
+                continue;
+            }
             switch (parts * 16 + rows) { /* a constant count of rows: their sums stay in registers */
             case 24: I8_TILE(8, 1); break;
             case 23: I8_TILE(7, 1); break;
@@ -1471,6 +1568,37 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
     (half ? _mm256_cvtph_ps(_mm_load_si128((const __m128i *)((p) + 2 * (long)(i))))                         \
           : _mm256_load_ps((const float *)(p) + (i)))
 
+/* shifted512 with AVX2 */
+__attribute__((target("avx2"), always_inline)) static inline __m256i shifted256(__m256i v, int s) {
+    return s > 0 ? _mm256_slli_epi16(v, s) : s < 0 ? _mm256_srli_epi16(v, -s) : v;
+}
+
+/* i8_values512 with AVX2, for one block (at wg): v[0], v[1] its 64-byte register's halves (rows 0-7, 8-15) */
+__attribute__((target("avx2"), always_inline)) static inline void i8_values256(const int bits, const uint8_t *wg,
+                                                                             int cc, __m256i *v) {
+    const int at = i8_reg(bits, cc), lb = i8_lb(bits), hb = i8_hb(bits), c = bits == 8 ? 0 : cc % i8_vr(bits);
+    const int down = c % (4 / lb) * 4, t = 2 * c;
+    __m256i v0 = _mm256_load_si256((const __m256i *)(wg + at * 64));
+    __m256i v1 = _mm256_load_si256((const __m256i *)(wg + at * 64 + 32));
+    if (bits == 8) {
+        v[0] = v[2] = v0, v[1] = v[3] = v1;
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8((char)((1 << lb) - 1));
+    v[0] = _mm256_and_si256(shifted256(v0, -down), low), v[2] = _mm256_and_si256(shifted256(v0, -down - lb), low);
+    v[1] = _mm256_and_si256(shifted256(v1, -down), low), v[3] = _mm256_and_si256(shifted256(v1, -down - lb), low);
+    if (hb) {
+        const __m256i high = _mm256_set1_epi8((char)(((1 << hb) - 1) << lb));
+        const int plane = i8_plane(bits, cc) * 64;
+        __m256i p0 = _mm256_load_si256((const __m256i *)(wg + plane));
+        __m256i p1 = _mm256_load_si256((const __m256i *)(wg + plane + 32));
+        v[0] = _mm256_or_si256(v[0], _mm256_and_si256(shifted256(p0, lb - hb * t), high));
+        v[1] = _mm256_or_si256(v[1], _mm256_and_si256(shifted256(p1, lb - hb * t), high));
+        v[2] = _mm256_or_si256(v[2], _mm256_and_si256(shifted256(p0, lb - hb * (t + 1)), high));
+        v[3] = _mm256_or_si256(v[3], _mm256_and_si256(shifted256(p1, lb - hb * (t + 1)), high));
+    }
+}
+
 /* i8_tile with AVX-VNNI (an AVX2 CPU with VNNI): one block of 16 rows of W, as two registers of 8 (a packed
  * register's halves), by R rows of A; the same operations lane by lane, so the same numbers. */
 __attribute__((target("avx2,avxvnni,fma,f16c"), always_inline)) static inline void
@@ -1478,8 +1606,8 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
            const uint8_t *sc, const uint8_t *bi, int half, const int8_t *xq, int k, int group, const float *sx,
            const float *xsum, float *c, int ldc, int valid) {
     const int es = half ? 2 : 4;
-    const __m256i low = _mm256_set1_epi8(15);
-    const int ch = CH ? CH : chunks, step = bits == 4 ? 8 : 4;
+    const int ch = CH ? CH : chunks, step = bits == 8 ? 4 : 8;
+    const int values = bits == 8 ? ch : group / 8;
     const long row = (long)P * k;
     __m256 f0[R], f1[R];
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) f0[i] = f1[i] = _mm256_setzero_ps();
@@ -1490,15 +1618,14 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
         const int8_t *xg = xq + (long)g * group;
         _mm_prefetch((const char *)sc + (I8_AHEAD / ch + g * 64) / 4 * es, _MM_HINT_T0);
         _mm_prefetch((const char *)bi + (I8_AHEAD / ch + g * 64) / 4 * es, _MM_HINT_T0);
-        _Pragma("GCC unroll 8") for (int cc = 0; cc < ch; cc++) {
-            _mm_prefetch((const char *)wg + I8_AHEAD + cc * 64, _MM_HINT_T0);
-            __m256i v0 = _mm256_load_si256((const __m256i *)(wg + cc * 64));
-            __m256i v1 = _mm256_load_si256((const __m256i *)(wg + cc * 64 + 32));
-            __m256i lo0 = v0, lo1 = v1, hi0 = v0, hi1 = v1;
-            if (bits == 4) {
-                lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-                lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-            }
+        _Pragma("GCC unroll 8") for (int cc = 0; cc < values; cc++) {
+            const int reg = i8_reg(bits, cc);
+            _mm_prefetch((const char *)wg + I8_AHEAD + reg * 64, _MM_HINT_T0);
+            if (bits != 8 && i8_hb(bits) && cc % i8_vr(bits) == i8_vr(bits) - 1)
+                _mm_prefetch((const char *)wg + I8_AHEAD + i8_plane(bits, cc) * 64, _MM_HINT_T0);
+            __m256i v[4];
+            i8_values256(bits, wg, cc, v);
+            const __m256i lo0 = v[0], lo1 = v[1], hi0 = v[2], hi1 = v[3];
             _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
                 _Pragma("GCC unroll 2") for (int p = 0; p < P; p++) {
                     const int8_t *at = xg + i * row + p * k + cc * step;
@@ -1507,7 +1634,7 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
                     __m256i a = _mm256_set1_epi32(xa), *s0 = p ? e0 : d0, *s1 = p ? e1 : d1;
                     s0[i] = _mm256_dpbusd_avx_epi32(s0[i], lo0, a);
                     s1[i] = _mm256_dpbusd_avx_epi32(s1[i], lo1, a);
-                    if (bits == 4) {
+                    if (bits != 8) {
                         int32_t xb;
                         memcpy(&xb, at + 4, 4);
                         __m256i b = _mm256_set1_epi32(xb);
@@ -1545,11 +1672,20 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
 
 #define I8_TILE256(R_, P_)                                                                                    \
     do {                                                                                                      \
-        if (m->bits == 4 && m->group == 32)                                                                   \
+        int bits_ = i8_bits(m), g32_ = m->group == 32;                                                         \
+        if (bits_ == 4 && g32_)                                                                               \
             i8_tile256(R_, 4, P_, 4, groups, chunks, wb, sc, bi, half, x, k, 32, s, t, cr, ldc, valid);             \
-        else if (m->bits == 4)                                                                                \
+        else if (bits_ == 4)                                                                                  \
             i8_tile256(R_, 4, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
-        else if (m->group == 32)                                                                              \
+        else if (bits_ == 6)                                                                                  \
+            i8_tile256(R_, 6, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
+        else if (bits_ == 5)                                                                                  \
+            i8_tile256(R_, 5, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
+        else if (bits_ == 3)                                                                                  \
+            i8_tile256(R_, 3, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
+        else if (bits_ == 2)                                                                                  \
+            i8_tile256(R_, 2, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
+        else if (g32_)                                                                                        \
             i8_tile256(R_, 8, P_, 8, groups, chunks, wb, sc, bi, half, x, k, 32, s, t, cr, ldc, valid);             \
         else                                                                                                  \
             i8_tile256(R_, 8, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
@@ -1563,8 +1699,9 @@ __attribute__((target("avx2,avxvnni,fma,f16c"))) static void i8_rows256(const qm
     long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
     int half = __atomic_load_n(&m->i8_half, __ATOMIC_RELAXED), es = half ? 2 : 4;
     const uint8_t *scales = p + blocks * bstride, *biases = scales + blocks * sstride * es;
-    for (int i0 = 0; i0 < M; i0 += most) {
-        int rows = M - i0 < most ? M - i0 : most;
+    int rare = i8_bits(m) == 2 || i8_bits(m) == 3 || i8_bits(m) == 5; /* tiles of `most` rows or of one */
+    for (int i0 = 0, rows; i0 < M; i0 += rows) {
+        rows = M - i0 >= most ? most : rare ? 1 : M - i0;
         const int8_t *x = in->xq + (long)i0 * parts * k;
         const float *s = in->sx + (long)i0 * groups, *t = in->xsum + (long)i0 * groups;
         for (int r = r0; r < r1; r += 16) {
@@ -1785,7 +1922,7 @@ static double now(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-enum { ALONE = 256 }; /* products computed without the helper after it was found slow (a decode step: 211) */
+enum { ALONE = 256 }; /* products computed without the helper after it was found slow (about a decode step's) */
 static int alone_for, late_in_row;
 static long shared_calls, helper_stretches, all_stretches, alone_spells;
 
@@ -1796,8 +1933,8 @@ void mlxpipe_qgemm_shared_stats(long *out) {
 
 static atomic_int helper_asleep; /* set while the helper may be in the futex: only then is it woken */
 
-/* The helper sleeps as soon as it runs out of stretches: polling 0.1 ms for the next product was no faster at
- * 64 rows and 2-6% slower at 16 (it takes core time from Python's thread; bench/RESULTS.md, issue 19). */
+/* The helper sleeps as soon as it runs out of stretches: polling for the next product was no faster and
+ * takes core time from Python's thread. */
 static void *helper(void *unused) {
     (void)unused;
     for (int seen = atomic_load(&job_gen);;) {
@@ -1839,8 +1976,8 @@ static int run_shared(job_t *j) {
     helper_stretches += j->stretches - mine_done;
     all_stretches += j->stretches;
     /* A wait of up to twice a stretch's time is the end of a product, not a helper without a core; a helper
-     * that woke too late to take many stretches cost the caller nothing (it was left out for that before, so
-     * that on a VM whose wake-ups are slow a batch's products ran alone most of the time: RESULTS, issue 19). */
+     * that woke too late to take many stretches cost the caller nothing (leaving it out for that left a VM
+     * whose wake-ups are slow computing alone most of the time). */
     return waited <= (2e-4 > 2 * stretch_time ? 2e-4 : 2 * stretch_time);
 }
 
@@ -2474,8 +2611,7 @@ static int attention_batch(float alpha, int tb, int m, int n, int k, const float
 static long one_row_min = 1L << 40;
 enum { ONE_ALONE_MS = 50 }; /* how long one-row products go on alone after the helper was slow */
 /* A one-row product that takes less than this alone is not shared: the helper's wake-up costs the caller more
- * (a fused gate-and-up product of 1.8M weights, ~60 us alone on a Zen 5 core, ran ~20% slower a token shared;
- * ~120 us on a Zen 3 core, ~9% faster: bench/RESULTS.md, issue 19). */
+ * than the half it takes (bench/RESULTS.md). */
 static int one_shared_us = 90;
 static double one_row_rate; /* weights a second of one-row products computed alone, a running mean (0: none yet) */
 

@@ -25,12 +25,11 @@ it alone, in another order than the one-row kernels'. A large one-row product (a
 layer) shares its rows with the helper thread too (:func:`share_one_rows`), each row summed as alone.
 
 On a CPU with VNNI (AVX-512's, or AVX-VNNI beside AVX2) all those products (one row or many) split each row
-of A per group into two 8-bit parts and sum integers (:func:`use_int8`): 1.7-2.4x faster products of 16-64
-rows than the float32 GEMM on AVX-512, each row's numbers its own (the same at ``--batch 1`` and in any
-batch, and with either kind of VNNI), within ~1e-4 of float32's (the embedded model's perplexity the same to
-four digits). ``MLXPIPE_INT8=1`` takes one part, as llama.cpp's CPU products do (~1.4x faster again,
-perplexity +1.6%, greedy answers part from float32's); ``MLXPIPE_INT8=off`` keeps the float32 kernels (and
-AMX, which otherwise the integer products replace).
+of A per group into two 8-bit parts and sum integers (:func:`use_int8`): faster than the float32 GEMM, each
+row's numbers its own (the same at ``--batch 1`` and in any batch, and with either kind of VNNI), within ~1e-4
+of float32's. ``MLXPIPE_INT8=1`` takes one part, as llama.cpp's CPU products do (faster again, greedy answers
+part from float32's); ``MLXPIPE_INT8=off`` keeps the float32 kernels (and AMX, which otherwise the integer
+products replace). Figures: bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -97,11 +96,9 @@ ENV = "MLXPIPE_GEMV"
 QGEMM_ENV = "MLXPIPE_QGEMM"
 AMX_ENV = "MLXPIPE_AMX"
 INT8_ENV = "MLXPIPE_INT8"
-AMX_ROWS = 16  # fewer rows than this: the AVX-512 kernels were faster (bench/RESULTS.md, issue 19)
+AMX_ROWS = 16  # fewer rows than this: the AVX-512 kernels are faster
 # One-row products of this many weights or more share their rows with the helper, if they also take 90 us or
-# more alone on this machine (gemv.c times them): the embedded model's output layer (28M) gains; its fused
-# gate-and-up (1.8M) gained on a Zen 3 core (~120 us) and lost on a Zen 5 (~60 us); its down and q-k-v
-# products (0.9M, 0.55M) lose to the helper's wake-ups (RESULTS, issue 19, sixth, eighth, ninth sessions).
+# more alone on this machine (gemv.c times them): below that the helper's wake-up costs more than it saves.
 ONE_ROW_SHARED = 1 << 20
 NO_COMPILER = "no C compiler (cc) found"
 FORWARDING = "one-row products go to sgemv"  # what install() returns once its cblas_sgemm is in front

@@ -195,64 +195,17 @@ def to_kernels(
     # Where the integer products run, each matrix's packed copy (made now) is its only one: the layer keeps
     # placeholders of its arrays' shapes (an embedding keeps its arrays: mlx looks its rows up).
     lean = gemv.int8_activations() > 0
-
-    def matrix_of(name: str, arrays: Callable[[], list[Any]], bits: int, group: int, rows: int) -> Any:
-        k = int(found_shape[name][1]) * 32 // bits
-        form = [rows, k, bits, group]
-        matrix = kept.adopt(name, form) if kept is not None else None
-        if matrix is None:
-            q, scales, biases = arrays()
-            matrix = kernels.Matrix.register(q, scales, biases, bits, group)
-            if matrix is not None and kept is not None and lean:
-                kept.remember(name, matrix, form)
-        return matrix
-
-    found_shape = {n: f[0].shape for n, f in found.items()}
     for key, names in (joinable(model, found, groups) if fuse_groups else {}).items():
-        parts = [found[n] for n in names]
-        found_shape[key] = parts[0][0].shape
-        rows = sum(int(f[0].shape[0]) for f in parts)
-
-        def joined(parts: list[Any] = parts) -> list[Any]:
-            whole = [mx.concatenate([f[i] for f in parts], axis=0) for i in range(3)]
-            mx.eval(whole)
-            return whole
-
-        matrix = matrix_of(key, joined, parts[0][3], parts[0][4], rows)
-        if matrix is None:
-            continue
-        only = lean and (matrix.arrays == () or matrix.pack_only())
-        start = 0
-        for name, form in zip(names, parts, strict=True):  # the parts' arrays: views of the whole's rows
-            stop = start + form[0].shape[0]
-            arrays = [_placeholder(a) for a in form[:3]] if only else [w[start:stop] for w in matrix.arrays]
-            modules[name].update(dict(zip(("weight", "scales", "biases"), arrays, strict=True)))
-            object.__setattr__(modules[name], MATRIX, kernels.Part(matrix, start, stop))
-            modules[name].__class__ = KernelLinear
-            del found[name]
-            start = stop
-        object.__setattr__(modules[key.rpartition(".")[0]], FUSED, matrix)
-        matrices.append(matrix)
-        del parts
+        matrix = _fused_to_kernels(key, names, found, modules, kept, lean)
+        if matrix is not None:  # (else its parts are tried alone, below)
+            matrices.append(matrix)
         mx.clear_cache()  # what was let go, for the next packed copies (malloc's)
     for name in list(found):
-        q, scales, biases, bits, group_size = found.pop(name)
-        module = modules[name]
-        source = [q, scales, biases]
-        matrix = matrix_of(name, partial(list, source), bits, group_size, int(q.shape[0]))
+        matrix = _layer_to_kernels(name, found.pop(name), modules[name], kept, lean)
         if matrix is None:
             refused.append(name)
-            continue
-        embedding = isinstance(module, QuantizedEmbedding)
-        if embedding or not lean:  # the layer and the kernels read the same arrays where both keep them
-            if matrix.arrays:
-                module.update(dict(zip(("weight", "scales", "biases"), matrix.arrays, strict=True)))
-        elif matrix.arrays == () or matrix.pack_only():
-            module.update({k: _placeholder(module[k]) for k in ("weight", "scales", "biases")})
-        object.__setattr__(module, MATRIX, matrix)
-        module.__class__ = KernelEmbedding if embedding else KernelLinear
-        matrices.append(matrix)
-        del q, scales, biases, source
+        else:
+            matrices.append(matrix)
         mx.clear_cache()
     if kept is not None:
         kept.write()
@@ -260,3 +213,75 @@ def to_kernels(
     mx.eval(model.parameters())
     mx.clear_cache()  # the source arrays let go: back to the system, not kept in mlx's cache
     return matrices, refused
+
+
+def _matrix_of(
+    name: str, arrays: Callable[[], list[Any]], form: list[int], kept: kernels.PackedFile | None, lean: bool
+) -> kernels.Matrix | None:
+    """The matrix ``name`` (``form``: rows, columns, bits, group size) adopted from ``kept``, or else
+    registered from ``arrays()`` (and kept there for the next run, where its packed copy is its only one)."""
+    matrix = kept.adopt(name, form) if kept is not None else None
+    if matrix is None:
+        q, scales, biases = arrays()
+        matrix = kernels.Matrix.register(q, scales, biases, form[2], form[3])
+        if matrix is not None and kept is not None and lean:
+            kept.remember(name, matrix, form)
+    return matrix
+
+
+def _fused_to_kernels(
+    key: str,
+    names: tuple[str, ...],
+    found: dict[str, tuple[Any, ...]],
+    modules: dict[str, Any],
+    kept: kernels.PackedFile | None,
+    lean: bool,
+) -> kernels.Matrix | None:
+    """The layers ``names`` computed as the rows of one registered matrix (``key``: its owner's
+    :data:`FUSED`); their forms leave ``found``. None where the kernels do not take it (``found`` kept)."""
+    parts = [found[n] for n in names]
+    bits, group = parts[0][3], parts[0][4]
+    rows = sum(int(f[0].shape[0]) for f in parts)
+
+    def joined() -> list[Any]:
+        whole = [mx.concatenate([f[i] for f in parts], axis=0) for i in range(3)]
+        mx.eval(whole)
+        return whole
+
+    matrix = _matrix_of(key, joined, [rows, int(parts[0][0].shape[1]) * 32 // bits, bits, group], kept, lean)
+    if matrix is None:
+        return None
+    only = lean and (matrix.arrays == () or matrix.pack_only())
+    start = 0
+    for name, form in zip(names, parts, strict=True):  # the parts' arrays: views of the whole's rows
+        stop = start + form[0].shape[0]
+        arrays = [_placeholder(a) for a in form[:3]] if only else [w[start:stop] for w in matrix.arrays]
+        modules[name].update(dict(zip(("weight", "scales", "biases"), arrays, strict=True)))
+        object.__setattr__(modules[name], MATRIX, kernels.Part(matrix, start, stop))
+        modules[name].__class__ = KernelLinear
+        del found[name]
+        start = stop
+    object.__setattr__(modules[key.rpartition(".")[0]], FUSED, matrix)
+    return matrix
+
+
+def _layer_to_kernels(
+    name: str, form: tuple[Any, ...], module: Any, kept: kernels.PackedFile | None, lean: bool
+) -> kernels.Matrix | None:
+    """Layer ``name`` (``module``, its ``form``) computed by its registered matrix; None where the kernels do
+    not take it."""
+    q, scales, biases, bits, group_size = form
+    source = [q, scales, biases]
+    cols = int(q.shape[1]) * 32 // bits
+    matrix = _matrix_of(name, partial(list, source), [int(q.shape[0]), cols, bits, group_size], kept, lean)
+    if matrix is None:
+        return None
+    embedding = isinstance(module, QuantizedEmbedding)
+    if embedding or not lean:  # the layer and the kernels read the same arrays where both keep them
+        if matrix.arrays:
+            module.update(dict(zip(("weight", "scales", "biases"), matrix.arrays, strict=True)))
+    elif matrix.arrays == () or matrix.pack_only():
+        module.update({k: _placeholder(module[k]) for k in ("weight", "scales", "biases")})
+    object.__setattr__(module, MATRIX, matrix)
+    module.__class__ = KernelEmbedding if embedding else KernelLinear
+    return matrix
