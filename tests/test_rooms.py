@@ -1,5 +1,6 @@
 """The rooms keep their walls: ARCHITECTURE.md's table is true, only the engine runs mlx-lm, mlx always comes
-after the BLAS, no two modules import each other, and the command line starts without mlx."""
+after the BLAS, no two modules import each other, the command line starts without mlx, and no class or
+function outgrows one reading (200 and 80 lines)."""
 
 from __future__ import annotations
 
@@ -145,3 +146,20 @@ def test_the_command_line_starts_without_importing_mlx() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_no_class_reaches_200_lines_nor_a_function_80() -> None:
+    """A room stays readable in one sitting: every class under 200 lines, every function under 80."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                limit = 200
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = 80
+            else:
+                continue
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            if lines >= limit:
+                too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {lines} lines")
+    assert not too_long

@@ -1,7 +1,11 @@
-"""Attaching a model's quantized weights to the one-row kernels of :mod:`.gemv`.
+"""A model's quantized layers on a CPU, computed by mlxpipe's kernels.
 
-On a CPU the engine computes from float32 weights dequantized from the file's 4/8-bit ones; a single stream's
-one-row products can still read the quantized bytes (5-8x fewer), which the dequantizing would otherwise drop.
+:func:`to_kernels` (the default where :mod:`.kernels` runs): every quantized linear and embedding layer
+computes its products from the kernels' packed copy of its matrix (a linear layer's only copy; an embedding
+keeps its arrays for the lookup); each layer is read lazily, registered, packed (or adopted from a kept
+:class:`.kernels.PackedFile`) and its arrays let go; a fused projection's parts
+(q/k/v, gate/up) compute as rows of one matrix. :func:`attach` (``--dtype float32``): float32 weights
+dequantized from the file, whose one-row products still read the quantized bytes.
 """
 
 from __future__ import annotations
