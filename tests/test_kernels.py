@@ -160,9 +160,13 @@ def test_a_second_run_maps_the_packed_copies_the_first_one_kept(tmp_path: Any, m
     size = path.stat().st_size
     with open(path, "r+b") as f:  # its end cut off: not a complete file
         f.truncate(size - 5)
+    older = path.with_name(path.name.replace(kernels.layout(), "0123456789ab"))  # an older mlxpipe's layout
+    for stale in (older, older.with_name(older.name + ".sum")):
+        stale.write_bytes(b"\0" * 64)
     third = Engine.load()
     assert third.model.model.layers[3].mlp.down_proj.__dict__["_matrix"].mapped is None
     assert mx.array_equal(logits(third), want).item() and path.stat().st_size == size  # written again
+    assert not older.exists() and not older.with_name(older.name + ".sum").exists()  # the old layout's gone
 
 
 @pytest.mark.model

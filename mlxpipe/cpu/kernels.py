@@ -13,6 +13,7 @@ and the engine dequantizes as before (and says so once).
 from __future__ import annotations
 
 import ctypes
+import glob
 import hashlib
 import importlib.util
 import json
@@ -194,8 +195,17 @@ class PackedFile:
                     data = json.dumps(index).encode()
                     f.write(data + len(data).to_bytes(8, "little") + self.MAGIC)
                 cachefiles.publish_file(tmp, self.path, {"magic": self.MAGIC.decode()}, whole=False)
+            self._drop_other_layouts()
         except OSError:
             pass
+
+    def _drop_other_layouts(self) -> None:
+        """Remove this model's files of other layouts (an older mlxpipe's): never mapped again, they only
+        take disk (an 8B model's are ~5 GB)."""
+        prefix = self.path.name.split(".packed-")[0] + ".packed-"
+        for other in self.path.parent.glob(glob.escape(prefix) + "*"):
+            if other.name not in (self.path.name, self.path.name + ".sum"):
+                other.unlink(missing_ok=True)
 
 
 class Part:
