@@ -115,6 +115,18 @@ def blas_runs_here(source: str, path: str) -> bool:
     return True
 
 
+def interrupt_a_story(p: subprocess.Popen[bytes], signum: int) -> list[dict[str, Any]]:
+    """Feed ``p`` (``mlxpipe --jsonl``) a long story and a second record, send ``signum`` once the story's
+    first chunk is out; the events it wrote, to its end."""
+    assert p.stdin and p.stdout
+    p.stdin.write(b'"Write a long story about a dragon."\n"Second."\n')
+    p.stdin.close()
+    first = p.stdout.readline()
+    assert json.loads(first)["event"] == "chunk"  # generation has started
+    p.send_signal(signum)
+    return [json.loads(line) for line in (first + p.stdout.read()).splitlines()]
+
+
 def start_cli(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     """Start ``mlxpipe ARGS`` as a real process, stdin, stdout and stderr pipes (``kwargs``: Popen's)."""
     return subprocess.Popen(

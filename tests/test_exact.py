@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env, run_cli, start_cli
+from conftest import REPO, cli_env, interrupt_a_story, run_cli, start_cli
 
 FAKECLI = [sys.executable, str(REPO / "tests" / "fakecli.py")]
 
@@ -182,15 +182,9 @@ def _start(args: list[str], hup: object = signal.SIG_DFL) -> subprocess.Popen[by
 @pytest.mark.model
 def test_sighup_ends_the_run_as_sigterm_does_and_nohup_keeps_it_ignored() -> None:
     p = _start(["--jsonl", "-n", "200", "--batch", "1"])
-    assert p.stdin and p.stdout and p.stderr
-    p.stdin.write(b'"Write a long story about a dragon."\n"Second."\n')
-    p.stdin.close()
-    first = p.stdout.readline()
-    assert json.loads(first)["event"] == "chunk"  # generation has started
-    p.send_signal(signal.SIGHUP)  # the terminal closed
-    rest = p.stdout.read()
+    assert p.stderr
+    lines = interrupt_a_story(p, signal.SIGHUP)  # the terminal closed
     assert p.wait(timeout=60) == -signal.SIGHUP  # ended by the signal, after its final line
-    lines = [json.loads(line) for line in (first + rest).splitlines()]
     assert lines[-1]["event"] == "done" and lines[-1]["finish_reason"] == "interrupted"
     assert sum(e["event"] == "done" for e in lines) == 1
     assert b"mlxpipe: interrupted by SIGHUP after" in p.stderr.read()

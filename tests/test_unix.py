@@ -23,7 +23,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
-from conftest import MLXPIPE, REPO, cli_env, run_cli, start_cli
+from conftest import MLXPIPE, REPO, cli_env, interrupt_a_story, run_cli, start_cli
 
 from mlxpipe import __version__
 from mlxpipe.cli.signals import Interrupts
@@ -447,15 +447,9 @@ def test_ctrl_c_at_any_moment_ends_the_process_by_sigint_without_a_traceback(
 @pytest.mark.model
 def test_sigterm_ends_the_record_with_a_done_line_and_the_process_by_sigterm() -> None:
     p = start_cli(["--jsonl", "-n", "200", "--batch", "1"])
-    assert p.stdin and p.stdout and p.stderr
-    p.stdin.write(b'"Write a long story about a dragon."\n"Second."\n')
-    p.stdin.close()
-    first = p.stdout.readline()
-    assert json.loads(first)["event"] == "chunk"  # generation has started
-    p.send_signal(signal.SIGTERM)
-    rest = p.stdout.read()
+    assert p.stderr
+    lines = interrupt_a_story(p, signal.SIGTERM)
     assert p.wait(timeout=60) == -signal.SIGTERM  # a shell's $? is 143
-    lines = [json.loads(line) for line in (first + rest).splitlines()]
     assert lines[-1]["event"] == "done" and lines[-1]["finish_reason"] == "interrupted"
     assert sum(e["event"] == "done" for e in lines) == 1  # the second record was never started
     assert p.stderr.read() == b"mlxpipe: interrupted by SIGTERM after 1 record (1 cut short)\n"
