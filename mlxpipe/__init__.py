@@ -18,8 +18,9 @@ if sys.argv[:1] == ["-m"] and _command:
     # until the run has a record to finish ends the process at once, by the signal (see __main__.py).
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for _signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(_signum) is not signal.SIG_IGN:  # a parent's SIG_IGN (`mlxpipe … &`) stays
+            signal.signal(_signum, signal.SIG_DFL)
 
 if TYPE_CHECKING:
     from .engine import Engine

@@ -32,6 +32,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite run as from a terminal's foreground, also when a script started it with ``&`` (which
+    ignores SIGINT, and the commands the tests start would inherit that, keeping it ignored: mlxpipe does)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Model conversions go to a cache of the test session's own, never the user's."""

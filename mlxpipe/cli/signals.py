@@ -1,7 +1,7 @@
 """SIGINT, SIGTERM and SIGHUP: the first ends the record in flight cleanly, a second exits at once.
 
-SIGHUP (the terminal or the ssh session closed) is taken as SIGTERM is, unless it was ignored at the start
-(``nohup``), which is kept.
+SIGHUP (the terminal or the ssh session closed) is taken as SIGTERM is. A signal ignored at the start stays
+ignored: ``nohup``'s SIGHUP, the SIGINT a shell ignores for ``mlxpipe … &`` in a script.
 
 The process ends the Unix way (:func:`die`): once the interrupted record's line is written and flushed, the
 handler is reset and the signal raised again, so the parent sees "killed by SIGINT" (a shell's ``for`` loop
@@ -101,8 +101,8 @@ class Interrupts:
 
     def install(self) -> None:
         for signum in QUIT_SIGNALS:
-            if signum != signal.SIGINT and signal.getsignal(signum) is signal.SIG_IGN:
-                continue  # nohup's SIGHUP, or a parent's choice: kept ignored
+            if signal.getsignal(signum) is signal.SIG_IGN:
+                continue  # nohup's SIGHUP, a shell's SIGINT for `mlxpipe … &`, a parent's choice: kept ignored
             signal.signal(signum, self._handle)
         self._watch()
 
