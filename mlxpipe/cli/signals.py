@@ -102,7 +102,7 @@ class Interrupts:
     def install(self) -> None:
         for signum in QUIT_SIGNALS:
             if signal.getsignal(signum) is signal.SIG_IGN:
-                continue  # nohup's SIGHUP, a shell's SIGINT for `mlxpipe … &`, a parent's choice: kept ignored
+                continue  # nohup's SIGHUP, a shell's SIGINT for `mlxpipe … &`, a parent's choice: kept
             signal.signal(signum, self._handle)
         self._watch()
 
