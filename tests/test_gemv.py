@@ -749,7 +749,7 @@ def test_float16_scales_kept_in_16_bits_give_the_same_numbers(openblas: Any) -> 
     shim = _own_shim(openblas, quantized=True)
     if shim.mlxpipe_qgemm_int8(2) != 2:
         pytest.skip("no VNNI on this CPU")
-    shim.mlxpipe_qgemm_int8_halves.restype = ctypes.c_long
+    shim.mlxpipe_qgemm_int8_forms.restype = ctypes.c_long
     shim.mlxpipe_qgemv_avx2(1)
     narrow = shim.mlxpipe_qgemm_int8(2) == 2  # AVX-VNNI beside AVX-512's
     shim.mlxpipe_qgemv_avx2(0)
@@ -766,10 +766,10 @@ def test_float16_scales_kept_in_16_bits_give_the_same_numbers(openblas: Any) -> 
             for half, avx2 in itertools.product([0, 1], [0, 1] if narrow else [0]):
                 shim.mlxpipe_qgemm_int8_half(half)
                 shim.mlxpipe_qgemv_avx2(avx2)
-                held = shim.mlxpipe_qgemm_int8_halves()
+                held = shim.mlxpipe_qgemm_int8_forms(HALF)
                 _register(shim, arrays, bits, group)
                 products = [_product(shim, w, x[:m])[0] for m in (1, 2, 17, 64)]  # one row: qgemv's path
-                assert shim.mlxpipe_qgemm_int8_halves() - held == half  # this copy, in 16 bits or not
+                assert shim.mlxpipe_qgemm_int8_forms(HALF) - held == half  # this copy, in 16 bits or not
                 shim.mlxpipe_qgemv_unregister(ctypes.c_void_p(w.ctypes.data))
                 shim.mlxpipe_qgemv_release()
                 got[half, avx2] = products
@@ -777,11 +777,74 @@ def test_float16_scales_kept_in_16_bits_give_the_same_numbers(openblas: Any) -> 
                 same = all((a == b).all() for a, b in zip(products, got[0, 0], strict=True))
                 assert same, (n, k, bits, key)
         shim.mlxpipe_qgemm_int8_half(1)
-        held = shim.mlxpipe_qgemm_int8_halves()
+        held = shim.mlxpipe_qgemm_int8_forms(HALF)
         w, *_alive = _registered(shim, rng, 64, 256, 4)  # float32 scales: not float16 values
         assert _product(shim, w, x[:4, :256])[1]
-        assert shim.mlxpipe_qgemm_int8_halves() == held
+        assert shim.mlxpipe_qgemm_int8_forms(HALF) == held
     finally:
+        shim.mlxpipe_qgemm_int8_half(1)
+        shim.mlxpipe_qgemv_avx2(0)
+        shim.mlxpipe_qgemm_int8(0)
+
+
+HALF, SYMMETRIC = 1, 2  # gemv.c's forms of a packed copy: 16-bit scales and biases; no biases
+
+
+def test_symmetric_matrices_leave_their_biases_out_and_give_the_same_numbers(openblas: Any) -> None:
+    # GGUF's Q8_0, Q4_0 and Q5_0 convert to biases of -2^(bits-1) times the scale: the packed copy leaves them
+    # out (a Q8_0 weight reads 8.5 bits, not 9) and the kernels compute each from its scale, the very number:
+    # every product, one row or many, either part count, AVX-512's and AVX2's, 16- or 32-bit scales, is the
+    # copy-with-biases' to the bit. A bias off by one step of float32 keeps the biases.
+    shim = _own_shim(openblas, quantized=True)
+    if shim.mlxpipe_qgemm_int8(2) != 2:
+        pytest.skip("no VNNI on this CPU")
+    shim.mlxpipe_qgemm_int8_forms.restype = ctypes.c_long
+    shim.mlxpipe_qgemv_avx2(1)
+    narrow = shim.mlxpipe_qgemm_int8(2) == 2  # AVX-VNNI beside AVX-512's
+    shim.mlxpipe_qgemv_avx2(0)
+    rng = np.random.default_rng(41)
+    shapes = [(4096, 576, 8, 32), (97, 512, 8, 64), (1536, 576, 4, 32), (193, 576, 5, 32), (577, 1536, 6, 64)]
+    try:
+        for (n, k, bits, group), parts, half in itertools.product(shapes, [1, 2], [0, 1]):
+            shim.mlxpipe_qgemm_int8(parts)
+            shim.mlxpipe_qgemm_int8_half(half)
+            w, packed, scales, biases = _quantized(rng, n, k, bits, group)
+            scales[...] = scales.astype(np.float16)
+            biases[...] = scales * -(2.0 ** (bits - 1))
+            w[...] = (
+                _values(packed, bits).reshape(n, -1, group) * scales[..., None] + biases[..., None]
+            ).reshape(n, k)
+            x = rng.standard_normal((64, k)).astype(np.float32)
+            got = {}
+            for symmetric, avx2 in itertools.product([0, 1], [0, 1] if narrow else [0]):
+                shim.mlxpipe_qgemm_int8_symmetric(symmetric)
+                shim.mlxpipe_qgemv_avx2(avx2)
+                held = shim.mlxpipe_qgemm_int8_forms(SYMMETRIC)
+                _register(shim, (w, packed, scales, biases), bits, group)
+                products = [_product(shim, w, x[:m])[0] for m in (1, 2, 17, 64)]  # one row: qgemv's path
+                assert (
+                    shim.mlxpipe_qgemm_int8_forms(SYMMETRIC) - held == symmetric
+                )  # this copy without biases
+                shim.mlxpipe_qgemv_unregister(ctypes.c_void_p(w.ctypes.data))
+                shim.mlxpipe_qgemv_release()
+                got[symmetric, avx2] = products
+            for key, products in got.items():
+                same = all((a == b).all() for a, b in zip(products, got[0, 0], strict=True))
+                assert same, (n, k, bits, parts, half, key)
+            if parts == 2:  # (one part is MLXPIPE_INT8=1's coarser choice, tested elsewhere)
+                want = x.astype(np.float64) @ w.T.astype(np.float64)
+                np.testing.assert_allclose(got[1, 0][3], want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+        shim.mlxpipe_qgemm_int8_symmetric(1)
+        held = shim.mlxpipe_qgemm_int8_forms(SYMMETRIC)
+        w, packed, scales, biases = _quantized(rng, 64, 256, 8)
+        biases[...] = scales * -128.0
+        biases[5, 3] = np.nextafter(biases[5, 3], np.float32(1))  # one bias off: not symmetric
+        _register(shim, (w, packed, scales, biases), 8)
+        assert _product(shim, w, x[:4, :256])[1]
+        assert shim.mlxpipe_qgemm_int8_forms(SYMMETRIC) == held
+        shim.mlxpipe_qgemv_unregister(ctypes.c_void_p(w.ctypes.data))
+    finally:
+        shim.mlxpipe_qgemm_int8_symmetric(1)
         shim.mlxpipe_qgemm_int8_half(1)
         shim.mlxpipe_qgemv_avx2(0)
         shim.mlxpipe_qgemm_int8(0)
@@ -848,11 +911,15 @@ def _avx_vnni_tiles_match(shim: Any) -> None:
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
     shapes += [(193, 576, 6, 32), (577, 640, 6, 64), (97, 512, 5, 32), (40, 256, 5, 128), (97, 512, 3, 64)]
     shapes += [(40, 256, 2, 32)]
+    symmetric = [(4096, 576, 8, 32), (193, 576, 4, 32)]  # as GGUF's Q8_0, Q4_0: copied without biases
     try:
-        for (n, k, bits, group), threads, parts in itertools.product(shapes, [1, 2], [1, 2]):
+        for (n, k, bits, group), threads, parts in itertools.product([*shapes, *symmetric], [1, 2], [1, 2]):
             shim.mlxpipe_qgemm_threads(threads)
             shim.mlxpipe_qgemm_int8(parts)
-            w, *_alive = _registered(shim, rng, n, k, bits, group)
+            w, *_alive = arrays = _quantized(rng, n, k, bits, group)
+            if (n, k, bits, group) in symmetric:
+                arrays[3][...] = arrays[2] * -(2.0 ** (bits - 1))
+            _register(shim, arrays, bits, group)
             x = rng.standard_normal((64, k + 5)).astype(np.float32)[:, :k]
             for m in [1, 2, 3, 17, 64]:
                 wide = _product(shim, w, x[:m])[0] if m > 1 else None

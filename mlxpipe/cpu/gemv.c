@@ -54,7 +54,7 @@ typedef struct {
     const uint8_t *q;                   /* n x k values of `bits` bits, packed low bits first */
     const float *scales, *biases;       /* n x (k / group) */
     uint8_t *i8;                        /* W repacked for 8-bit activations, once used (i8_weights) */
-    int i8_half;                        /* its scales and biases in 16 bits (float16 values all: GGUF's) */
+    int i8_form;                        /* I8_HALF, I8_SYMMETRIC: how its scales and biases are kept */
     int i8_borrowed;                    /* i8 is the caller's (mlxpipe_qmatrix_adopt): never freed here */
 } qmat;
 
@@ -122,7 +122,11 @@ void mlxpipe_qgemv_release(void) {
 
 long mlxpipe_qgemv_calls(void) { return qgemv_calls; }
 
-static int i8_half_allowed = 1;
+/* A repacked copy's form: its scales and biases in 16 bits (float16 values all: GGUF's); its biases left out,
+ * every one being -2^(bits-1) times its scale (GGUF's Q8_0, Q4_0, Q5_0): a Q8_0 weight then reads 8.5 bits, as
+ * in the file, instead of 9 (a one-row product reads W from memory). */
+enum { I8_HALF = 1, I8_SYMMETRIC = 2 };
+static int i8_half_allowed = 1, i8_symmetric_allowed = 1;
 /* Whether repacked copies keep float16 scales and biases in 16 bits (1, the default) or in 32 (0, tests; -1
  * only asks); the setting. Copies already made keep theirs. */
 int mlxpipe_qgemm_int8_half(int on) {
@@ -130,10 +134,17 @@ int mlxpipe_qgemm_int8_half(int on) {
     return i8_half_allowed;
 }
 
-/* Live matrices whose repacked copy keeps its scales and biases in 16 bits */
-long mlxpipe_qgemm_int8_halves(void) {
+/* Whether repacked copies of symmetric matrices leave their biases out (1, the default) or keep them (0, tests;
+ * -1 only asks); the setting. Copies already made keep theirs. */
+int mlxpipe_qgemm_int8_symmetric(int on) {
+    if (on >= 0) i8_symmetric_allowed = on;
+    return i8_symmetric_allowed;
+}
+
+/* Live matrices whose repacked copy has all of `form` (I8_HALF, I8_SYMMETRIC) */
+long mlxpipe_qgemm_int8_forms(int form) {
     long count = 0;
-    for (unsigned i = 0; i < TABLE; i++) count += table[i].n > 0 && table[i].i8 && table[i].i8_half;
+    for (unsigned i = 0; i < TABLE; i++) count += table[i].n > 0 && table[i].i8 && (table[i].i8_form & form) == form;
     return count;
 }
 
@@ -1213,6 +1224,17 @@ __attribute__((target("f16c"))) static int i8_halves(const qmat *m) {
     return 1;
 }
 
+/* Whether every bias of m is -2^(bits-1) times its scale, exactly: the kernels then compute it from the scale
+ * (a product by a power of two: the very number) */
+static int i8_symmetric(const qmat *m) {
+    if (!i8_symmetric_allowed) return 0;
+    long count = (long)m->n * (m->k / m->group);
+    float offset = -(float)(1 << (m->bits - 1));
+    for (long i = 0; i < count; i++)
+        if (m->biases[i] != m->scales[i] * offset) return 0;
+    return 1;
+}
+
 /* Scale or bias i of a repacked copy's 16 (float16) or 32-bit (float32) ones */
 __attribute__((target("f16c"))) static void i8_put(uint8_t *to, long i, int half, float v) {
     if (half) ((uint16_t *)to)[i] = _cvtss_sh(v, 0);
@@ -1220,11 +1242,13 @@ __attribute__((target("f16c"))) static void i8_put(uint8_t *to, long i, int half
 }
 
 /* W repacked (rows past n zeros), then per block of 16 rows and group the 16 scales, then the biases alike
- * (in 16 bits where i8_halves, setting m->i8_half: racing packers of m set it alike). */
-/* The bytes of m's packed copy with 16-bit (half) or 32-bit scales and biases: a multiple of 64 */
-static long i8_size(const qmat *m, int half) {
+ * unless symmetric (in 16 bits where i8_halves, setting m->i8_form: racing packers of m set it alike). */
+/* The bytes of m's packed copy of `form` (I8_HALF: 16-bit scales and biases; I8_SYMMETRIC: no biases): a
+ * multiple of 64 */
+static long i8_size(const qmat *m, int form) {
     long groups = m->k / m->group, blocks = i8_blocks(m);
-    return blocks * groups * i8_chunks(m) * 64 + 2 * blocks * groups * 16 * (half ? 2 : 4);
+    int tables = form & I8_SYMMETRIC ? 1 : 2;
+    return blocks * groups * i8_chunks(m) * 64 + tables * blocks * groups * 16 * (form & I8_HALF ? 2 : 4);
 }
 
 static uint8_t *i8_pack(const qmat *m) {
@@ -1232,10 +1256,11 @@ static uint8_t *i8_pack(const qmat *m) {
     long words = (long)m->k * i8_bits(m) / 32, wbytes = (long)blocks * groups * chunks * 64;
     long row_bytes = (long)m->k * m->bits / 8;
     long floats = (long)blocks * groups * 16;
-    int half = i8_halves(m);
-    uint8_t *p = aligned_alloc(64, i8_size(m, half));
+    int half = i8_halves(m), symmetric = i8_symmetric(m);
+    int form = (half ? I8_HALF : 0) | (symmetric ? I8_SYMMETRIC : 0);
+    uint8_t *p = aligned_alloc(64, i8_size(m, form));
     if (!p) return 0;
-    __atomic_store_n(&((qmat *)m)->i8_half, half, __ATOMIC_RELAXED); /* published with p (i8_weights) */
+    __atomic_store_n(&((qmat *)m)->i8_form, form, __ATOMIC_RELAXED); /* published with p (i8_weights) */
     uint32_t *w = (uint32_t *)p;
     uint8_t *sc = p + wbytes, *bi = sc + floats * (half ? 2 : 4);
     for (int b = 0; b < blocks; b++)
@@ -1249,7 +1274,8 @@ static uint8_t *i8_pack(const qmat *m) {
             }
             for (int g = 0; g < groups; g++) {
                 i8_put(sc, ((long)b * groups + g) * 16 + lane, half, r < n ? m->scales[r * groups + g] : 0);
-                i8_put(bi, ((long)b * groups + g) * 16 + lane, half, r < n ? m->biases[r * groups + g] : 0);
+                if (!symmetric)
+                    i8_put(bi, ((long)b * groups + g) * 16 + lane, half, r < n ? m->biases[r * groups + g] : 0);
             }
         }
     return p;
@@ -1430,9 +1456,11 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
         const char *ahead = (const char *)sc + (I8_AHEAD / ch + g * 128) / 4 * es;
         _mm_prefetch(ahead, _MM_HINT_T0);
         _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        ahead = (const char *)bi + (I8_AHEAD / ch + g * 128) / 4 * es;
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        if (bi) {
+            ahead = (const char *)bi + (I8_AHEAD / ch + g * 128) / 4 * es;
+            _mm_prefetch(ahead, _MM_HINT_T0);
+            _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        }
         _Pragma("GCC unroll 8") for (int cc = 0; cc < values; cc++) {
             ahead = (const char *)w + I8_AHEAD + ((long)g * ch + i8_reg(bits, cc)) * 128;
             _mm_prefetch(ahead, _MM_HINT_T0);
@@ -1464,7 +1492,9 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
             }
         }
         __m512 s0 = I8_SCALES512(sc, g * 16), s1 = I8_SCALES512(sc, sstride + g * 16);
-        __m512 b0 = I8_SCALES512(bi, g * 16), b1 = I8_SCALES512(bi, sstride + g * 16);
+        const __m512 offset = _mm512_set1_ps(-(float)(1 << (bits - 1))); /* (bi 0: a symmetric copy's) */
+        __m512 b0 = bi ? I8_SCALES512(bi, g * 16) : _mm512_mul_ps(s0, offset);
+        __m512 b1 = bi ? I8_SCALES512(bi, sstride + g * 16) : _mm512_mul_ps(s1, offset);
         if (P == 2) { /* the sums as integers d * 256 + e (below 2^31 up to groups of 256): W's scale / 256 */
             const __m512 fine = _mm512_set1_ps(1.0f / 256);
             s0 = _mm512_mul_ps(s0, fine), s1 = _mm512_mul_ps(s1, fine);
@@ -1523,8 +1553,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
     const uint8_t *p = in->w;
     int parts = in->parts, k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m), most = parts == 2 ? 4 : 8;
     long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
-    int half = __atomic_load_n(&m->i8_half, __ATOMIC_RELAXED), es = half ? 2 : 4;
-    const uint8_t *scales = p + blocks * bstride, *biases = scales + blocks * sstride * es;
+    int form = __atomic_load_n(&m->i8_form, __ATOMIC_RELAXED), half = form & I8_HALF, es = half ? 2 : 4;
+    const uint8_t *scales = p + blocks * bstride;
+    const uint8_t *biases = form & I8_SYMMETRIC ? 0 : scales + blocks * sstride * es;
     int rare = i8_bits(m) == 2 || i8_bits(m) == 3 || i8_bits(m) == 5; /* tiles of `most` rows or of one */
     for (int i0 = 0, rows; i0 < M; i0 += rows) {
         rows = M - i0 >= most ? most : rare ? 1 : M - i0;
@@ -1535,7 +1566,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
             __mmask16 m0 = valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1);
             __mmask16 m1 = valid >= 32 ? 0xFFFF : valid > 16 ? (__mmask16)((1u << (valid - 16)) - 1) : 0;
             const uint8_t *wb = p + b * bstride;
-            const uint8_t *sc = scales + b * sstride * es, *bi = biases + b * sstride * es;
+            const uint8_t *sc = scales + b * sstride * es, *bi = biases ? biases + b * sstride * es : 0;
             float *cr = c + (long)i0 * ldc + r;
             if (rare && parts == 1) {
                 if (rows == 8) I8_TILE_RARE(8, 1);
@@ -1617,7 +1648,7 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
         const uint8_t *wg = w + (long)g * ch * 64;
         const int8_t *xg = xq + (long)g * group;
         _mm_prefetch((const char *)sc + (I8_AHEAD / ch + g * 64) / 4 * es, _MM_HINT_T0);
-        _mm_prefetch((const char *)bi + (I8_AHEAD / ch + g * 64) / 4 * es, _MM_HINT_T0);
+        if (bi) _mm_prefetch((const char *)bi + (I8_AHEAD / ch + g * 64) / 4 * es, _MM_HINT_T0);
         _Pragma("GCC unroll 8") for (int cc = 0; cc < values; cc++) {
             const int reg = i8_reg(bits, cc);
             _mm_prefetch((const char *)wg + I8_AHEAD + reg * 64, _MM_HINT_T0);
@@ -1645,7 +1676,9 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
             }
         }
         __m256 s0 = I8_SCALES256(sc, g * 16), s1 = I8_SCALES256(sc, g * 16 + 8);
-        __m256 b0 = I8_SCALES256(bi, g * 16), b1 = I8_SCALES256(bi, g * 16 + 8);
+        const __m256 offset = _mm256_set1_ps(-(float)(1 << (bits - 1)));
+        __m256 b0 = bi ? I8_SCALES256(bi, g * 16) : _mm256_mul_ps(s0, offset);
+        __m256 b1 = bi ? I8_SCALES256(bi, g * 16 + 8) : _mm256_mul_ps(s1, offset);
         if (P == 2) {
             const __m256 fine = _mm256_set1_ps(1.0f / 256);
             s0 = _mm256_mul_ps(s0, fine), s1 = _mm256_mul_ps(s1, fine);
@@ -1697,8 +1730,9 @@ __attribute__((target("avx2,avxvnni,fma,f16c"))) static void i8_rows256(const qm
     const uint8_t *p = in->w;
     int parts = in->parts, k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m), most = parts == 2 ? 1 : 2;
     long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
-    int half = __atomic_load_n(&m->i8_half, __ATOMIC_RELAXED), es = half ? 2 : 4;
-    const uint8_t *scales = p + blocks * bstride, *biases = scales + blocks * sstride * es;
+    int form = __atomic_load_n(&m->i8_form, __ATOMIC_RELAXED), half = form & I8_HALF, es = half ? 2 : 4;
+    const uint8_t *scales = p + blocks * bstride;
+    const uint8_t *biases = form & I8_SYMMETRIC ? 0 : scales + blocks * sstride * es;
     int rare = i8_bits(m) == 2 || i8_bits(m) == 3 || i8_bits(m) == 5; /* tiles of `most` rows or of one */
     for (int i0 = 0, rows; i0 < M; i0 += rows) {
         rows = M - i0 >= most ? most : rare ? 1 : M - i0;
@@ -1707,7 +1741,7 @@ __attribute__((target("avx2,avxvnni,fma,f16c"))) static void i8_rows256(const qm
         for (int r = r0; r < r1; r += 16) {
             int valid = r1 - r < 16 ? r1 - r : 16, b = r / 16;
             const uint8_t *wb = p + b * bstride;
-            const uint8_t *sc = scales + b * sstride * es, *bi = biases + b * sstride * es;
+            const uint8_t *sc = scales + b * sstride * es, *bi = biases ? biases + b * sstride * es : 0;
             float *cr = c + (long)i0 * ldc + r;
             if (parts == 2) I8_TILE256(1, 2);
             else if (rows == 2) I8_TILE256(2, 1);
@@ -2966,18 +3000,19 @@ int mlxpipe_qmatrix_pack(void *handle, int only) {
 #endif
 }
 
-/* m's packed copy (made now where it is not yet), its size in bytes and whether its scales are 16-bit; 0 where
- * the integer products do not run: what a caller keeps (in a file) to adopt it in a later process. */
-const void *mlxpipe_qmatrix_packed(void *handle, long *bytes, int *half) {
+/* m's packed copy (made now where it is not yet), its size in bytes and its form (I8_HALF: 16-bit scales,
+ * I8_SYMMETRIC: no biases); 0 where the integer products do not run: what a caller keeps (in a file) to adopt
+ * it in a later process. */
+const void *mlxpipe_qmatrix_packed(void *handle, long *bytes, int *form) {
 #ifdef X86_AVX512
     const qmat *m = (const qmat *)handle;
     const uint8_t *p = i8_runs() ? i8_weights(m) : 0;
     if (!p) return 0;
-    *half = __atomic_load_n(&m->i8_half, __ATOMIC_RELAXED);
-    *bytes = i8_size(m, *half);
+    *form = __atomic_load_n(&m->i8_form, __ATOMIC_RELAXED);
+    *bytes = i8_size(m, *form);
     return p;
 #else
-    (void)handle, (void)bytes, (void)half;
+    (void)handle, (void)bytes, (void)form;
     return 0;
 #endif
 }
@@ -2986,19 +3021,19 @@ const void *mlxpipe_qmatrix_packed(void *handle, long *bytes, int *half) {
  * mlxpipe_qmatrix_packed gave it for the same matrix: the caller keeps that memory (a mapped file) while W is
  * registered. 0 where the integer products do not run or the size is not W's. */
 void *mlxpipe_qmatrix_adopt(const float *w, int n, int k, int bits, int group, const void *packed, long bytes,
-                            int half) {
+                            int form) {
 #ifdef X86_AVX512
     if (!i8_runs() || ((uintptr_t)packed & 63) || group > 256) return 0;
     qmat *m = enter(w, n, k, bits, group, 0, 0, 0);
-    if (!m || bytes != i8_size(m, half)) {
+    if (!m || bytes != i8_size(m, form)) {
         if (m) m->n = -1;
         return 0;
     }
-    m->i8_half = half, m->i8_borrowed = 1;
+    m->i8_form = form, m->i8_borrowed = 1;
     m->i8 = (uint8_t *)packed;
     return m;
 #else
-    (void)w, (void)n, (void)k, (void)bits, (void)group, (void)packed, (void)bytes, (void)half;
+    (void)w, (void)n, (void)k, (void)bits, (void)group, (void)packed, (void)bytes, (void)form;
     return 0;
 #endif
 }

@@ -303,30 +303,31 @@ def pack(handle: int, key: int, only: bool) -> bool:
     return True
 
 
-def packed(handle: int) -> tuple[int, int, bool] | None:
-    """A registered matrix's packed copy (made now where it is not yet): its address, size in bytes and
-    whether its scales are 16-bit; None where the integer products do not run."""
+def packed(handle: int) -> tuple[int, int, int] | None:
+    """A registered matrix's packed copy (made now where it is not yet): its address, size in bytes and form
+    (flags: 1, its scales and biases 16-bit; 2, no biases, each being a fixed multiple of its scale); None
+    where the integer products do not run."""
     if _shim is None:
         return None
-    size, half = ctypes.c_long(), ctypes.c_int()
+    size, form = ctypes.c_long(), ctypes.c_int()
     _shim.mlxpipe_qmatrix_packed.restype = ctypes.c_void_p
-    address = _shim.mlxpipe_qmatrix_packed(ctypes.c_void_p(handle), ctypes.byref(size), ctypes.byref(half))
-    return (int(address), size.value, bool(half.value)) if address else None
+    address = _shim.mlxpipe_qmatrix_packed(ctypes.c_void_p(handle), ctypes.byref(size), ctypes.byref(form))
+    return (int(address), size.value, form.value) if address else None
 
 
 def adopt(
-    shape: tuple[int, int], bits: int, group_size: int, address: int, size: int, half: bool
+    shape: tuple[int, int], bits: int, group_size: int, address: int, size: int, form: int
 ) -> tuple[int, int] | None:
     """Register a matrix (``shape`` n x k) by a packed copy :func:`packed` gave for it in an earlier process,
-    ``size`` bytes at ``address`` (64-byte aligned; the caller keeps it mapped while registered): its handle
-    and key; None where the integer products do not run or the size is not this matrix's."""
+    ``size`` bytes at ``address`` of ``form`` (64-byte aligned; the caller keeps it mapped while registered):
+    its handle and key; None where the integer products do not run or the size is not this matrix's."""
     if _shim is None:
         return None
     key = _new_key()
     p = ctypes.c_void_p
     _shim.mlxpipe_qmatrix_adopt.restype = p
     handle = _shim.mlxpipe_qmatrix_adopt(
-        p(key), shape[0], shape[1], bits, group_size, p(address), ctypes.c_long(size), int(half)
+        p(key), shape[0], shape[1], bits, group_size, p(address), ctypes.c_long(size), form
     )
     return (int(handle), key) if handle else None
 

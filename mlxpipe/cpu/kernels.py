@@ -133,8 +133,9 @@ class PackedFile:
     """The kernels' packed copies of a model's matrices kept in one file between runs (``path``), mapped
     instead of read and repacked: a run opens a model in about the time it takes to map it.
 
-    Layout: each copy 64-byte aligned, then a JSON index (name → offset, size, 16-bit scales, form), its
-    length and a magic, written last (a file cut short or of another layout has neither and is made again).
+    Layout: each copy 64-byte aligned, then a JSON index (name → offset, size, the copy's form, the matrix's
+    form), its length and a magic, written last (a file cut short or of another layout has neither and is made
+    again).
     """
 
     MAGIC = b"MLXPPK01"
@@ -144,7 +145,7 @@ class PackedFile:
         self.index: dict[str, list[Any]] = {}
         self._map: Any = None
         self._base = 0
-        self.made: dict[str, tuple[int, int, bool, list[int]]] = {}  # copies packed in this run: to keep
+        self.made: dict[str, tuple[int, int, int, list[int]]] = {}  # copies packed in this run: to keep
         try:
             why = cachefiles.check_file(path)  # size, mtime and ends as its manifest says: else made again
             if why is not None:
@@ -166,8 +167,8 @@ class PackedFile:
         entry = self.index.get(name)
         if entry is None or entry[3] != form:
             return None
-        offset, size, half = entry[:3]
-        found = gemv.adopt((form[0], form[1]), form[2], form[3], self._base + offset, size, half)
+        offset, size, packing = entry[:3]
+        found = gemv.adopt((form[0], form[1]), form[2], form[3], self._base + offset, size, packing)
         return None if found is None else Matrix(found[0], found[1], (), form[0], form[1], self)
 
     def remember(self, name: str, matrix: Matrix, form: list[int]) -> None:
@@ -188,9 +189,9 @@ class PackedFile:
                 with open(tmp, "wb") as f:
                     kept = [(n, self._base + e[0], e[1], e[2], e[3]) for n, e in self.index.items()]
                     made = [(n, *e) for n, e in self.made.items()]
-                    for name, address, size, half, form in [*kept, *made]:
+                    for name, address, size, packing, form in [*kept, *made]:
                         f.write(b"\0" * (-f.tell() % 64))
-                        index[name] = [f.tell(), size, half, form]
+                        index[name] = [f.tell(), size, packing, form]
                         f.write(ctypes.string_at(address, size))
                     data = json.dumps(index).encode()
                     f.write(data + len(data).to_bytes(8, "little") + self.MAGIC)
