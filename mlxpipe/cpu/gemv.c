@@ -1546,7 +1546,8 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
     } while (0)
 
 /* Rows [r0, r1) of c (r0 a multiple of 32) from M rows of A: every 8 rows of A (4 with two parts: the sums'
- * registers) against the whole stretch of W (kept in L2 meanwhile). */
+ * registers) against the whole stretch of W (kept in L2 meanwhile); fewer rows in tiles of 4, 2 and 1 (each
+ * row's sums are the same in any tile: fewer kinds of tiles, a shorter build). */
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(const qmat *m, const i8_input *in,
                                                                              int M, float *c, int ldc, int r0,
                                                                              int r1) {
@@ -1558,7 +1559,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
     const uint8_t *biases = form & I8_SYMMETRIC ? 0 : scales + blocks * sstride * es;
     int rare = i8_bits(m) == 2 || i8_bits(m) == 3 || i8_bits(m) == 5; /* tiles of `most` rows or of one */
     for (int i0 = 0, rows; i0 < M; i0 += rows) {
-        rows = M - i0 >= most ? most : rare ? 1 : M - i0;
+        int left = M - i0;
+        rows = left >= most ? most : rare ? 1 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
         const int8_t *x = in->xq + (long)i0 * parts * k;
         const float *s = in->sx + (long)i0 * groups, *t = in->xsum + (long)i0 * groups;
         for (int r = r0; r < r1; r += I8_W) {
@@ -1579,15 +1581,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
             }
             switch (parts * 16 + rows) { /* a constant count of rows: their sums stay in registers */
             case 24: I8_TILE(8, 1); break;
-            case 23: I8_TILE(7, 1); break;
-            case 22: I8_TILE(6, 1); break;
-            case 21: I8_TILE(5, 1); break;
             case 20: I8_TILE(4, 1); break;
-            case 19: I8_TILE(3, 1); break;
             case 18: I8_TILE(2, 1); break;
             case 17: I8_TILE(1, 1); break;
             case 36: I8_TILE(4, 2); break;
-            case 35: I8_TILE(3, 2); break;
             case 34: I8_TILE(2, 2); break;
             default: I8_TILE(1, 2); break;
             }
