@@ -41,12 +41,17 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+_session_cache: list[str] = []  # the session's XDG_CACHE_HOME, while it is set
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Model conversions go to a cache of the test session's own, never the user's."""
     old = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    _session_cache[:] = [os.environ["XDG_CACHE_HOME"]]
     yield
+    _session_cache.clear()
     if old is None:
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
@@ -60,6 +65,36 @@ def cli_env(**extra: str) -> dict[str, str]:
     env.pop("MLXPIPE_MODEL", None)
     env.update(extra)
     return env
+
+
+def seed_cache(home: Path, *libraries: str) -> None:
+    """Give the fresh cache ``home`` (an XDG_CACHE_HOME) the compiled ``libraries`` ("gemv": gemv.c's,
+    "kernels": kernels.cpp's) of the session's cache, each with its manifest, so that a run there does not
+    compile them again: for tests of something else than building them (a conversion, a model source). Those
+    this process does not use (turned off, nothing to forward to, not built here) are left out, as a run
+    would leave them; a copy is checked as a run checks it."""
+    import shutil
+
+    from mlxpipe import cachefiles
+    from mlxpipe.cpu import blas, gemv
+
+    found: list[Path] = []
+    with pytest.MonkeyPatch.context() as patch:  # built in the session's cache, once (a test may set its own)
+        if _session_cache:
+            patch.setenv("XDG_CACHE_HOME", _session_cache[0])
+        if "gemv" in libraries and blas.setup().gemv == gemv.FORWARDING:
+            found.append(Path(gemv._built()))  # (this process's own was loaded from the cache of its start)
+        if "kernels" in libraries:
+            from mlxpipe.cpu import kernels
+
+            if kernels.available():
+                found.append(Path(kernels._built()))
+    folder = home / "mlxpipe"  # mlxpipe.paths.cache_dir() under XDG_CACHE_HOME=home
+    folder.mkdir(parents=True, exist_ok=True)
+    for library in found:
+        for path in (library, library.with_name(library.name + cachefiles.SUM_SUFFIX)):  # its manifest last
+            shutil.copy2(path, folder / path.name)
+        assert cachefiles.check_file(folder / library.name) is None
 
 
 MLXPIPE = [sys.executable, "-m", "mlxpipe"]

@@ -172,11 +172,12 @@ def test_a_second_run_maps_the_packed_copies_the_first_one_kept(tmp_path: Any, m
 @pytest.mark.model
 def test_a_kernel_build_that_fails_is_said_once_and_the_model_computes_in_float32(tmp_path: Any) -> None:
     # A C++ compiler that fails (a real process): the run answers from float32 copies and says why, once.
-    from conftest import cli_env, run_cli
+    from conftest import cli_env, run_cli, seed_cache
 
     compiler = tmp_path / "broken-c++"
     compiler.write_text("#!/bin/sh\necho 'fatal error: no space left on device' >&2\nexit 1\n")
     compiler.chmod(0o755)
+    seed_cache(tmp_path / "cache", "gemv")  # gemv.c's library (a C build): only the C++ one fails
     env = cli_env(CXX=str(compiler), XDG_CACHE_HOME=str(tmp_path / "cache"))
     r = run_cli(["-n", "8", "-p", "What is the capital of France?"], env=env)
     assert r.returncode == 0, r.stderr

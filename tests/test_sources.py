@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, run_cli
+from conftest import cli_env, run_cli, seed_cache
 from gguf_factory import mlx_folder_from_gguf, tiny_bpe, write_gguf
 
 from mlxpipe.models import ModelError, materialize, resolve
@@ -120,6 +120,7 @@ def test_hub_cache_location_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 @pytest.mark.model
 def test_hub_id_through_the_command(tmp_path: Path, tiny_gguf: Path) -> None:
     snapshot = _hub_cache(tmp_path / "hf" / "hub", tiny_gguf)
+    seed_cache(tmp_path / "xdg", "gemv", "kernels")  # the compiled libraries: not built again for this
     env = cli_env(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", XDG_CACHE_HOME=str(tmp_path / "xdg"))
     r = run_cli(["-m", REPO_ID, "--model-info"], env=env)
     assert r.returncode == 0, r.stderr.decode()
@@ -175,6 +176,7 @@ def test_bare_name_lists_the_accepted_forms(tmp_path: Path, tiny_gguf: Path) -> 
 @pytest.mark.model
 def test_ollama_through_the_command(tmp_path: Path, tiny_gguf: Path) -> None:
     _ollama_store(tmp_path / "ollama", tiny_gguf)
+    seed_cache(tmp_path / "xdg", "gemv", "kernels")  # the compiled libraries: not built again for this
     env = cli_env(OLLAMA_MODELS=str(tmp_path / "ollama"), XDG_CACHE_HOME=str(tmp_path / "xdg"))
     r = run_cli(["--model-info"], env={**env, "MLXPIPE_MODEL": "ollama:tiny"})
     assert r.returncode == 0, r.stderr.decode()

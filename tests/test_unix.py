@@ -23,7 +23,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
-from conftest import MLXPIPE, REPO, cli_env, interrupt_a_story, run_cli, start_cli
+from conftest import MLXPIPE, REPO, cli_env, interrupt_a_story, run_cli, seed_cache, start_cli
 
 from mlxpipe import __version__
 from mlxpipe.cli.signals import Interrupts
@@ -471,6 +471,8 @@ def test_sigterm_ends_the_record_with_a_done_line_and_the_process_by_sigterm() -
 @pytest.mark.model
 def test_a_first_conversion_shows_its_progress_on_a_terminal_only(tmp_path: Path) -> None:
     # The embedded GGUF converted into an empty cache: a progress line on a terminal, none in a pipe.
+    for home in ("tty", "pipe"):  # the compiled libraries: only the model is new to these caches
+        seed_cache(tmp_path / home, "gemv", "kernels")
     master, slave = open_pty()
     env = cli_env(XDG_CACHE_HOME=str(tmp_path / "tty"), COLUMNS="100")
     p = spawn_on_pty(["-n", "2", "-p", "hi"], slave, env)
