@@ -7,6 +7,7 @@ here where the test runs as root and may mount, else the test is skipped with th
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import shutil
@@ -325,10 +326,61 @@ def _tree(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
+def _holdings(cache: Path) -> tuple[frozenset[str], frozenset[str]]:
+    """What ``cache`` holds: the paths published in it, and its scratch folders (temporary names apart)."""
+    published: set[str] = set()
+    scratches: set[str] = set()
+    for folder, dirs, files in os.walk(cache):
+        here = Path(folder).relative_to(cache)
+        for name in [*dirs, *files]:
+            if name.startswith(cachefiles.SCRATCH_PREFIX):
+                scratches.add(str(here / name))
+            elif not any(fnmatch.fnmatch(name, p) for p in cachefiles.LEGACY_TEMPS):
+                published.add(str(here / name))
+        dirs[:] = [d for d in dirs if not d.startswith(cachefiles.SCRATCH_PREFIX)]
+    return frozenset(published), frozenset(scratches)
+
+
+# A phase of a first run: where its scratch folder was made, what was published before, for how many seconds.
+Phase = tuple[str, frozenset[str], float]
+
+
+def _phases(run: subprocess.Popen[bytes], cache: Path) -> list[Phase]:
+    """The phases of ``run`` (from an empty ``cache``), in order, timed from its scratch folders."""
+    seen: dict[str, tuple[frozenset[str], float, float]] = {}
+    deadline = time.monotonic() + 600
+    while run.poll() is None and time.monotonic() < deadline:
+        now = time.monotonic()
+        published, scratches = _holdings(cache)
+        for name in scratches:
+            before, first, _ = seen.get(name, (published, now, now))
+            seen[name] = (before, first, now)
+        time.sleep(0.02)
+    ordered = sorted(seen.items(), key=lambda item: item[1][1])
+    return [(str(Path(name).parent), before, last - first) for name, (before, first, last) in ordered]
+
+
+def _interrupt(
+    run: subprocess.Popen[bytes], cache: Path, old: frozenset[str], phase: Phase, at: float
+) -> bool:
+    """Wait until ``run`` is ``at`` (a fraction) into ``phase``: what came before it published, a scratch
+    folder (not one of ``old``) made where the phase makes its own; whether ``run`` still lives then."""
+    folder, before, seconds = phase
+    deadline = time.monotonic() + 600
+    while run.poll() is None and time.monotonic() < deadline:
+        published, scratches = _holdings(cache)
+        if before <= published and any(str(Path(s).parent) == folder for s in scratches - old):
+            time.sleep(at * seconds)
+            return run.poll() is None
+        time.sleep(0.02)
+    return False
+
+
 @pytest.mark.model
 def test_interrupted_cold_runs_leave_nothing_once_a_run_succeeds(tmp_path: Path) -> None:
-    # Interrupt a first run at many points (building the kernels, converting, writing the float32 matrices)
-    # by every signal, kill -9 included; one good run after: the cache holds exactly what a clean run leaves.
+    # Interrupt a first run in each of its phases (building gemv.c, converting, building the kernels, writing
+    # the packed copies), timed by a clean run's, by every signal, kill -9 included; one good run after: the
+    # cache holds exactly what a clean run leaves.
     hi = tmp_path / "hi.txt"
     hi.write_text("hi\n")
 
@@ -345,29 +397,27 @@ def test_interrupted_cold_runs_leave_nothing_once_a_run_succeeds(tmp_path: Path)
 
     clean = tmp_path / "clean"
     run = start(clean)
+    phases = _phases(run, clean)
     run.communicate(timeout=600)
     assert run.returncode == 0
+    assert phases, "a first run made no scratch folder"
     cache = tmp_path / "interrupted"
-    plan = [
-        (0.5, signal.SIGKILL),
-        (2, signal.SIGINT),
-        (4, signal.SIGKILL),
-        (6, signal.SIGTERM),
-        (9, signal.SIGHUP),
-        (12, signal.SIGKILL),
-        (15, signal.SIGINT),
-        (18, signal.SIGKILL),
-        (22, signal.SIGTERM),
-    ]
-    for delay, signum in plan:
+    # Every phase interrupted halfway, one of 3 s or more (a build) near its start and 40% in; the signals
+    # taken in turn.
+    points = [(i, at) for i, phase in enumerate(phases) for at in ([0.05, 0.4] if phase[2] >= 3 else [0.5])]
+    signals = [signal.SIGKILL, signal.SIGTERM, signal.SIGKILL, signal.SIGINT, signal.SIGHUP]
+    plan = [(i, at, signals[n % len(signals)]) for n, (i, at) in enumerate(points)]
+    for index, at, signum in plan:
+        _, old = _holdings(cache)  # (a killed run's scratch folders, until the next run removes them)
         run = start(cache)
-        try:
-            run.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
+        sent = _interrupt(run, cache, old, phases[index], at)
+        if sent:
             run.send_signal(signum)
         _, err = run.communicate(timeout=120)
         assert b"Traceback" not in err
-        assert run.returncode in (0, -signum, 128 + signum), (delay, signum, run.returncode, err)
+        assert run.returncode in (0, -signum, 128 + signum), (index, at, signum, run.returncode, err)
+        # A phase of a second or more is long enough to be caught in the act.
+        assert sent or phases[index][2] < 1, (index, phases, run.returncode, err)
     run = start(cache)
     _, err = run.communicate(timeout=600)
     assert run.returncode == 0, err
