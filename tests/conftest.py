@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -34,28 +36,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_configure(config: pytest.Config) -> None:
     """The suite run as from a terminal's foreground, also when a script started it with ``&`` (which
-    ignores SIGINT, and the commands the tests start would inherit that, keeping it ignored: mlxpipe does)."""
+    ignores SIGINT, and the commands the tests start would inherit that, keeping it ignored: mlxpipe does).
+    Model conversions and compiled libraries go to a cache of the session's own, never the user's: set
+    before collection, which imports ``mlxpipe.cpu`` (that loads, or builds, gemv.c's library)."""
     import signal
 
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-_session_cache: list[str] = []  # the session's XDG_CACHE_HOME, while it is set
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Model conversions go to a cache of the test session's own, never the user's."""
-    old = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    _user_cache[:] = [os.environ.get("XDG_CACHE_HOME")]
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="mlxpipe-tests-cache-")
     _session_cache[:] = [os.environ["XDG_CACHE_HOME"]]
-    yield
-    _session_cache.clear()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not _session_cache:
+        return
+    shutil.rmtree(_session_cache.pop(), ignore_errors=True)
+    old = _user_cache.pop()
     if old is None:
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = old
+
+
+_session_cache: list[str] = []  # the session's XDG_CACHE_HOME, while it is set
+_user_cache: list[str | None] = []  # XDG_CACHE_HOME before the session
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -73,7 +78,6 @@ def seed_cache(home: Path, *libraries: str) -> None:
     compile them again: for tests of something else than building them (a conversion, a model source). Those
     this process does not use (turned off, nothing to forward to, not built here) are left out, as a run
     would leave them; a copy is checked as a run checks it."""
-    import shutil
 
     from mlxpipe import cachefiles
     from mlxpipe.cpu import blas, gemv
