@@ -1,9 +1,9 @@
 """Give mlx an optimized BLAS on Linux CPUs, loaded before mlx is imported.
 
-The Linux ``mlx-cpu`` wheel bundles the reference (netlib) BLAS, about 30x slower at float32 matrix products
-than OpenBLAS here. Loading a BLAS that exports the same symbol names into the global namespace *before*
-``import mlx.core`` makes mlx's matmuls resolve to it. :func:`setup` does that, once, and records why it did
-or did not, for ``--model-info``. It imports nothing from mlx.
+The Linux ``mlx-cpu`` wheel bundles the reference (netlib) BLAS, 11-14x slower than OpenBLAS here at float32
+products of several rows (bench/RESULTS.md, r-blas). Loading a BLAS that exports the same symbol names into
+the global namespace *before* ``import mlx.core`` makes mlx's matmuls resolve to it. :func:`setup` does that,
+once, and records why it did or did not, for ``--model-info``. It imports nothing from mlx.
 
 Decision, in order:
 
@@ -203,7 +203,8 @@ def slow_paths(choice: BlasChoice | None = None) -> list[str]:
     """
     choice = choice or setup()
     if choice.missing:
-        return [f"float32 matrix products run on mlx's reference BLAS, about 30x slower: {choice.reason}"]
+        slower = "11-14x slower for batches and prompts"
+        return [f"float32 matrix products run on mlx's reference BLAS, {slower}: {choice.reason}"]
     if choice.gemv and choice.gemv.startswith("not built: "):
         cause, fix = choice.gemv.removeprefix("not built: "), _forwarding_fix(choice.gemv)
         return [
