@@ -31,11 +31,22 @@ pytestmark = pytest.mark.cpu_paths
 ROW_MAJOR, COL_MAJOR, NO_TRANS, TRANS = 101, 102, 111, 112
 
 
+def _tests_library() -> Any:
+    """The library the tests below share, loaded from a copy of the built one beside it: an instance apart
+    from the one this process's engine loaded (every loader of one path shares one), so that what the tests
+    register and set never reaches the engine's."""
+    built = Path(gemv._built())
+    copy = built.with_name(built.stem + "-tests.so")
+    if not copy.exists():
+        shutil.copyfile(built, copy)
+    return ctypes.CDLL(str(copy), mode=ctypes.RTLD_LOCAL)
+
+
 def _own_shim(openblas: Any, quantized: bool = False, avx2: bool = False, int8: bool = False) -> Any:
-    """A copy of the shim of its own (its table of attached matrices starts empty), in front of OpenBLAS;
+    """The tests' library (:func:`_tests_library`: apart from the engine's), in front of OpenBLAS;
     ``avx2``: its AVX2 kernels, also where the CPU has AVX-512; ``int8``: 8-bit activations where the CPU
     has AVX-512 VNNI, else the float32 kernels (which the tests below check against float64)."""
-    shim = ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL)
+    shim = _tests_library()
     shim.mlxpipe_qgemv_avx2(int(avx2))
     shim.mlxpipe_qgemm_int8(int(int8))  # (the one copy: an earlier test may have set it)
     shim.mlxpipe_qgemm_max_rows(gemv.MAX_ROWS)  # (one dlopen'd copy a path: an earlier test may have set it)
@@ -57,10 +68,10 @@ def _private_copy(folder: Path) -> Any:
 
 @pytest.fixture(autouse=True)
 def _integer_products_as_asked() -> Iterator[None]:
-    """A test may set the library's integer products (one copy a path: the engine's too, in this process):
-    what MLXPIPE_INT8 asks for is put back after each."""
+    """A test may set the tests' library's integer products: what MLXPIPE_INT8 asks for is put back after
+    each, for the next."""
     yield
-    ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL).mlxpipe_qgemm_int8(gemv.int8_parts())
+    _tests_library().mlxpipe_qgemm_int8(gemv.int8_parts())
 
 
 @pytest.fixture(params=[False, True], ids=["best-kernels", "avx2-kernels"])
@@ -68,7 +79,7 @@ def avx2(request: pytest.FixtureRequest) -> Iterator[bool]:
     """Each quantized test twice: with the best kernels this CPU has, and with the AVX2 ones (on a CPU
     without AVX-512 the same ones); the library is left on the best after."""
     yield bool(request.param)
-    ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL).mlxpipe_qgemv_avx2(0)
+    _tests_library().mlxpipe_qgemv_avx2(0)
 
 
 @pytest.fixture
@@ -575,7 +586,7 @@ def test_quantized_products_of_several_rows_match_numpy(openblas: Any, avx2: boo
 
 
 def test_amx_products_match_numpy_and_depend_on_their_row_alone(openblas: Any) -> None:
-    shim = ctypes.CDLL(gemv._built(), mode=ctypes.RTLD_LOCAL)  # a copy of its own: its table starts empty
+    shim = _tests_library()
     if not shim.mlxpipe_qgemv_available() or not shim.mlxpipe_qgemm_amx(2):
         pytest.skip("no AMX (bfloat16 tiles) for this process")
     shim.mlxpipe_qgemm_int8(0)  # AMX's tiles, not the integer products that take their place by default
