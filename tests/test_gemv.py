@@ -757,17 +757,52 @@ def test_int8_products_sum_integers_and_a_rows_numbers_depend_on_it_alone(openbl
         shim.mlxpipe_qgemm_threads(1)
 
 
-def test_float16_scales_kept_in_16_bits_give_the_same_numbers(openblas: Any) -> None:
-    # A GGUF file's scales and biases are float16 values: the integer products' repacked copy keeps them in 16
-    # bits (a sixth fewer bytes a weight to read), and every product, one row or many, AVX-512's and AVX2's,
-    # is the one the 32-bit copy gives, to the bit. A matrix with a scale float16 cannot hold keeps 32.
+HALF, SYMMETRIC = 1, 2  # gemv.c's forms of a packed copy: 16-bit scales and biases; no biases
+
+
+def _integer_shim(openblas: Any) -> tuple[Any, bool]:
+    """The tests' library with the integer products (skipped without VNNI), and whether AVX2's tiles run
+    here too (AVX-VNNI beside AVX-512's)."""
     shim = _own_shim(openblas, quantized=True)
     if shim.mlxpipe_qgemm_int8(2) != 2:
         pytest.skip("no VNNI on this CPU")
     shim.mlxpipe_qgemm_int8_forms.restype = ctypes.c_long
     shim.mlxpipe_qgemv_avx2(1)
-    narrow = shim.mlxpipe_qgemm_int8(2) == 2  # AVX-VNNI beside AVX-512's
+    narrow = shim.mlxpipe_qgemm_int8(2) == 2
     shim.mlxpipe_qgemv_avx2(0)
+    return shim, narrow
+
+
+def _products_by_form(
+    shim: Any, arrays: tuple[np.ndarray, ...], bits: int, group: int, x: np.ndarray, form: int, narrow: bool
+) -> np.ndarray:
+    """Register ``arrays`` with packed copies of ``form`` allowed and not, on AVX-512's tiles (and AVX2's
+    where ``narrow``): each copy has the form or not as allowed, and every product (one row: qgemv's path;
+    2, 17 and 64 rows) is the same, to the bit. Returns the 64-row product."""
+    allow = shim.mlxpipe_qgemm_int8_half if form == HALF else shim.mlxpipe_qgemm_int8_symmetric
+    w = arrays[0]
+    got = {}
+    for allowed, avx2 in itertools.product([0, 1], [0, 1] if narrow else [0]):
+        allow(allowed)
+        shim.mlxpipe_qgemv_avx2(avx2)
+        held = shim.mlxpipe_qgemm_int8_forms(form)
+        _register(shim, arrays, bits, group)
+        got[allowed, avx2] = [_product(shim, w, x[:m])[0] for m in (1, 2, 17, 64)]
+        assert shim.mlxpipe_qgemm_int8_forms(form) - held == allowed  # this copy in that form or not
+        shim.mlxpipe_qgemv_unregister(ctypes.c_void_p(w.ctypes.data))
+        shim.mlxpipe_qgemv_release()
+    allow(1)
+    for key, products in got.items():
+        assert all((a == b).all() for a, b in zip(products, got[0, 0], strict=True)), (w.shape, bits, key)
+    shim.mlxpipe_qgemv_avx2(0)
+    return got[1, 0][3]
+
+
+def test_float16_scales_kept_in_16_bits_give_the_same_numbers(openblas: Any) -> None:
+    # A GGUF file's scales and biases are float16 values: the integer products' repacked copy keeps them in 16
+    # bits (a sixth fewer bytes a weight to read), and every product, one row or many, AVX-512's and AVX2's,
+    # is the one the 32-bit copy gives, to the bit. A matrix with a scale float16 cannot hold keeps 32.
+    shim, narrow = _integer_shim(openblas)
     rng = np.random.default_rng(37)
     shapes = [(1536, 576, 4, 32), (193, 576, 4, 32), (577, 1536, 4, 64), (4096, 576, 8, 32), (97, 512, 8, 64)]
     shapes += [(193, 576, 6, 32), (97, 512, 5, 64)]
@@ -777,20 +812,7 @@ def test_float16_scales_kept_in_16_bits_give_the_same_numbers(openblas: Any) -> 
             arrays = w, _, scales, biases = _quantized(rng, n, k, bits, group)
             scales[...], biases[...] = scales.astype(np.float16), biases.astype(np.float16)
             x = rng.standard_normal((64, k)).astype(np.float32)
-            got = {}
-            for half, avx2 in itertools.product([0, 1], [0, 1] if narrow else [0]):
-                shim.mlxpipe_qgemm_int8_half(half)
-                shim.mlxpipe_qgemv_avx2(avx2)
-                held = shim.mlxpipe_qgemm_int8_forms(HALF)
-                _register(shim, arrays, bits, group)
-                products = [_product(shim, w, x[:m])[0] for m in (1, 2, 17, 64)]  # one row: qgemv's path
-                assert shim.mlxpipe_qgemm_int8_forms(HALF) - held == half  # this copy, in 16 bits or not
-                shim.mlxpipe_qgemv_unregister(ctypes.c_void_p(w.ctypes.data))
-                shim.mlxpipe_qgemv_release()
-                got[half, avx2] = products
-            for key, products in got.items():
-                same = all((a == b).all() for a, b in zip(products, got[0, 0], strict=True))
-                assert same, (n, k, bits, key)
+            _products_by_form(shim, arrays, bits, group, x, HALF, narrow)
         shim.mlxpipe_qgemm_int8_half(1)
         held = shim.mlxpipe_qgemm_int8_forms(HALF)
         w, *_alive = _registered(shim, rng, 64, 256, 4)  # float32 scales: not float16 values
@@ -802,21 +824,12 @@ def test_float16_scales_kept_in_16_bits_give_the_same_numbers(openblas: Any) -> 
         shim.mlxpipe_qgemm_int8(0)
 
 
-HALF, SYMMETRIC = 1, 2  # gemv.c's forms of a packed copy: 16-bit scales and biases; no biases
-
-
 def test_symmetric_matrices_leave_their_biases_out_and_give_the_same_numbers(openblas: Any) -> None:
     # GGUF's Q8_0, Q4_0 and Q5_0 convert to biases of -2^(bits-1) times the scale: the packed copy leaves them
     # out (a Q8_0 weight reads 8.5 bits, not 9) and the kernels compute each from its scale, the very number:
     # every product, one row or many, either part count, AVX-512's and AVX2's, 16- or 32-bit scales, is the
     # copy-with-biases' to the bit. A bias off by one step of float32 keeps the biases.
-    shim = _own_shim(openblas, quantized=True)
-    if shim.mlxpipe_qgemm_int8(2) != 2:
-        pytest.skip("no VNNI on this CPU")
-    shim.mlxpipe_qgemm_int8_forms.restype = ctypes.c_long
-    shim.mlxpipe_qgemv_avx2(1)
-    narrow = shim.mlxpipe_qgemm_int8(2) == 2  # AVX-VNNI beside AVX-512's
-    shim.mlxpipe_qgemv_avx2(0)
+    shim, narrow = _integer_shim(openblas)
     rng = np.random.default_rng(41)
     shapes = [(4096, 576, 8, 32), (97, 512, 8, 64), (1536, 576, 4, 32), (193, 576, 5, 32), (577, 1536, 6, 64)]
     try:
@@ -830,25 +843,10 @@ def test_symmetric_matrices_leave_their_biases_out_and_give_the_same_numbers(ope
                 _values(packed, bits).reshape(n, -1, group) * scales[..., None] + biases[..., None]
             ).reshape(n, k)
             x = rng.standard_normal((64, k)).astype(np.float32)
-            got = {}
-            for symmetric, avx2 in itertools.product([0, 1], [0, 1] if narrow else [0]):
-                shim.mlxpipe_qgemm_int8_symmetric(symmetric)
-                shim.mlxpipe_qgemv_avx2(avx2)
-                held = shim.mlxpipe_qgemm_int8_forms(SYMMETRIC)
-                _register(shim, (w, packed, scales, biases), bits, group)
-                products = [_product(shim, w, x[:m])[0] for m in (1, 2, 17, 64)]  # one row: qgemv's path
-                assert (
-                    shim.mlxpipe_qgemm_int8_forms(SYMMETRIC) - held == symmetric
-                )  # this copy without biases
-                shim.mlxpipe_qgemv_unregister(ctypes.c_void_p(w.ctypes.data))
-                shim.mlxpipe_qgemv_release()
-                got[symmetric, avx2] = products
-            for key, products in got.items():
-                same = all((a == b).all() for a, b in zip(products, got[0, 0], strict=True))
-                assert same, (n, k, bits, parts, half, key)
+            product = _products_by_form(shim, (w, packed, scales, biases), bits, group, x, SYMMETRIC, narrow)
             if parts == 2:  # (one part is MLXPIPE_INT8=1's coarser choice, tested elsewhere)
                 want = x.astype(np.float64) @ w.T.astype(np.float64)
-                np.testing.assert_allclose(got[1, 0][3], want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+                np.testing.assert_allclose(product, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
         shim.mlxpipe_qgemm_int8_symmetric(1)
         held = shim.mlxpipe_qgemm_int8_forms(SYMMETRIC)
         w, packed, scales, biases = _quantized(rng, 64, 256, 8)
