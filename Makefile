@@ -57,9 +57,11 @@ run: setup
 	@echo
 	@echo "Next: echo 'What is 2+2?' | $(BIN)/mlxpipe    (more: README.md, man ./man/mlxpipe.1)"
 
-# `make test` is what CI runs (.ci/run): lint first, then every test, the real-model ones included.
+# `make test` is what CI runs (.ci/run): lint first, then every test, the real-model ones included. Two
+# workers, each test file kept on one (its module fixtures, its model loads): most tests wait on a real
+# mlxpipe process, so two share 2 cores well (the suite's time: bench/RESULTS.md#r-suite).
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The path a Mac takes: every Linux CPU path off (MLXPIPE_CPU=off), mlx's portable operations alone.
 test-portable:
@@ -67,7 +69,7 @@ test-portable:
 
 # The quick loop while developing: no real model, a few seconds.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not model"
+	$(BIN)/python -m pytest -q -n 2 -m "not model"
 
 lint: setup
 	$(BIN)/ruff check .
