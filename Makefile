@@ -20,6 +20,9 @@ STAMP   := $(VENV)/.installed-$(subst $(comma),+,$(EXTRAS))
 # pip -qq prints errors only: -q alone still shows warnings (pip warns about every index location it
 # cannot read, and setuptools' editable-install notice).
 PIP     := $(BIN)/python -m pip install -qq
+# Two workers, each test file kept on one (its module fixtures, its model loads): most tests wait on a real
+# mlxpipe process, so two share 2 cores well (the suite's time: bench/RESULTS.md#r-suite).
+PYTEST  := $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 .PHONY: setup run test test-portable test-fast lint format docs clean
 
@@ -57,11 +60,9 @@ run: setup
 	@echo
 	@echo "Next: echo 'What is 2+2?' | $(BIN)/mlxpipe    (more: README.md, man ./man/mlxpipe.1)"
 
-# `make test` is what CI runs (.ci/run): lint first, then every test, the real-model ones included. Two
-# workers, each test file kept on one (its module fixtures, its model loads): most tests wait on a real
-# mlxpipe process, so two share 2 cores well (the suite's time: bench/RESULTS.md#r-suite).
+# `make test` is what CI runs (.ci/run): lint first, then every test, the real-model ones included.
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(PYTEST)
 
 # The path a Mac takes: every Linux CPU path off (MLXPIPE_CPU=off), mlx's portable operations alone.
 test-portable:
@@ -69,7 +70,7 @@ test-portable:
 
 # The quick loop while developing: no real model, a few seconds.
 test-fast: setup
-	$(BIN)/python -m pytest -q -n 2 -m "not model"
+	$(PYTEST) -m "not model"
 
 lint: setup
 	$(BIN)/ruff check .
