@@ -70,7 +70,7 @@ void mlxpipe_qgemm_max_rows(int rows) { qgemm_max_rows = rows; }
 static unsigned slot_of(const float *w) { return (unsigned)(((uintptr_t)w >> 6) * 2654435761u) & (TABLE - 1); }
 
 int mlxpipe_qgemv_available(void);
-static int integer_products(void);
+static int integer_products(int bits);
 
 /* Registers W (key w, n x k) and returns its entry, which stays where it is (a handle for mlxpipe_qproduct);
  * 0 when the CPU or the layout has no kernel. */
@@ -78,7 +78,7 @@ static qmat *enter(const float *w, int n, int k, int bits, int group, const void
                    const float *biases) {
     /* 2, 3, 5 and 6 bits: the integer products only (their copy packed for them alone) */
     int wide = bits == 2 || bits == 3 || bits == 5 || bits == 6;
-    if (!mlxpipe_qgemv_available() || !(bits == 4 || bits == 8 || (wide && integer_products())) || group % 32 ||
+    if (!mlxpipe_qgemv_available() || !(bits == 4 || bits == 8 || (wide && integer_products(bits))) || group % 32 ||
         k % group || registered >= TABLE / 2)
         return 0;
     unsigned i = slot_of(w), dead = TABLE;
@@ -1143,27 +1143,38 @@ static int i8_wanted = 2; /* 8-bit parts an activation is split into: 0 (the flo
 enum { I8_W = 32, I8_AHEAD = 16384 }; /* a tile's rows of W (two registers of 16); bytes fetched ahead */
 static int i8_cpu = -1;
 
-/* the parts that run here: i8_wanted where the CPU has VNNI (AVX-512's, or AVX-VNNI beside AVX2), else 0 */
-static int i8_runs(void);
-/* the parts m's products take: i8_runs(), or two where m's packed copy is its only one (mlxpipe_qmatrix_pack) */
-static int i8_parts_for(const qmat *m) {
-    int parts = i8_runs();
-    if (parts || m->q) return parts;
-    int wanted = i8_wanted;
-    i8_wanted = 2;
-    parts = i8_runs();
-    i8_wanted = wanted;
-    return parts;
-}
-
-static int i8_runs(void) {
+/* The kernels the integer products take here: 2 AVX-512 VNNI's, 1 AVX-VNNI's, 3 AVX2's without VNNI (vpmaddubsw,
+ * vpmaddwd and vpaddd in vpdpbusd's place, as llama.cpp's AVX2 dots: exact for values below 8 bits, whose pair
+ * sums by bytes stay below 2^15), 0 none */
+static int i8_emulated_allowed = 1;
+static int i8_kind(void) {
     if (i8_cpu < 0) {
         unsigned a = 0, b, c, d;
         int avxvnni = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1); /* CPUID.(7,1):EAX[4] */
         i8_cpu = (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") ? 2 : 0) |
                  (avxvnni ? 1 : 0);
     }
-    return (kernels() == 2 && (i8_cpu & 2)) || (kernels() == 1 && (i8_cpu & 1)) ? i8_wanted : 0;
+    if (kernels() == 2 && (i8_cpu & 2)) return 2;
+    if (kernels() == 1 && (i8_cpu & 1) && i8_emulated_allowed < 2) return 1;
+    return kernels() > 0 && i8_emulated_allowed ? 3 : 0;
+}
+
+/* the parts products by `bits`-bit matrices take here: i8_wanted where i8_kind has kernels for the width (AVX2's
+ * without VNNI: below 8 bits, 8-bit values would saturate vpmaddubsw), else 0 */
+static int i8_runs(int bits) {
+    int kind = i8_kind();
+    return kind == 1 || kind == 2 || (kind == 3 && bits < 8) ? i8_wanted : 0;
+}
+
+/* the parts m's products take: i8_runs, or two where m's packed copy is its only one (mlxpipe_qmatrix_pack) */
+static int i8_parts_for(const qmat *m) {
+    int parts = i8_runs(m->bits);
+    if (parts || m->q) return parts;
+    int wanted = i8_wanted;
+    i8_wanted = 2;
+    parts = i8_runs(m->bits);
+    i8_wanted = wanted;
+    return parts;
 }
 
 /* The bits a value of W takes in its repacked copy: its own (8 for 8-bit ones) */
@@ -1627,10 +1638,20 @@ __attribute__((target("avx2"), always_inline)) static inline void i8_values256(c
     }
 }
 
-/* i8_tile with AVX-VNNI (an AVX2 CPU with VNNI): one block of 16 rows of W, as two registers of 8 (a packed
- * register's halves), by R rows of A; the same operations lane by lane, so the same numbers. */
-__attribute__((target("avx2,avxvnni,fma,f16c"), always_inline)) static inline void
-i8_tile256(const int R, const int bits, const int P, const int CH, int groups, int chunks, const uint8_t *w,
+/* acc + vpdpbusd(w, x) by AVX-VNNI, as inline assembly: the AVX2 tiles are built for AVX2 alone (one build for
+ * the emulated products below) and run this only where the CPU has it */
+__attribute__((target("avx2"), always_inline)) static inline __m256i dpbusd256(__m256i acc, __m256i w, __m256i x) {
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(x));
+    return acc;
+}
+
+/* i8_tile with AVX2: one block of 16 rows of W, as two registers of 8 (a packed register's halves), by R rows of
+ * A; V: by AVX-VNNI, else (below 8 bits) each pair of vpdpbusd by AVX2 alone: the bytes' products w * x and
+ * v * y summed in 16 bits (vpmaddubsw twice, vpaddw: at most 4 * 63 * 128 < 2^15, exact), then in pairs into
+ * the 32-bit sums (vpmaddwd by ones, vpaddd). The same integers, the same operations after them lane by lane:
+ * the same numbers. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+i8_tile256(const int V, const int R, const int bits, const int P, const int CH, int groups, int chunks, const uint8_t *w,
            const uint8_t *sc, const uint8_t *bi, int half, const int8_t *xq, int k, int group, const float *sx,
            const float *xsum, float *c, int ldc, int valid) {
     const int es = half ? 2 : 4;
@@ -1660,14 +1681,24 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
                     int32_t xa;
                     memcpy(&xa, at, 4);
                     __m256i a = _mm256_set1_epi32(xa), *s0 = p ? e0 : d0, *s1 = p ? e1 : d1;
-                    s0[i] = _mm256_dpbusd_avx_epi32(s0[i], lo0, a);
-                    s1[i] = _mm256_dpbusd_avx_epi32(s1[i], lo1, a);
+                    if (!V) { /* (bits < 8) */
+                        int32_t xb;
+                        memcpy(&xb, at + 4, 4);
+                        __m256i b = _mm256_set1_epi32(xb), ones = _mm256_set1_epi16(1);
+                        __m256i h0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, a), _mm256_maddubs_epi16(hi0, b));
+                        __m256i h1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, a), _mm256_maddubs_epi16(hi1, b));
+                        s0[i] = _mm256_add_epi32(s0[i], _mm256_madd_epi16(h0, ones));
+                        s1[i] = _mm256_add_epi32(s1[i], _mm256_madd_epi16(h1, ones));
+                        continue;
+                    }
+                    s0[i] = dpbusd256(s0[i], lo0, a);
+                    s1[i] = dpbusd256(s1[i], lo1, a);
                     if (bits != 8) {
                         int32_t xb;
                         memcpy(&xb, at + 4, 4);
                         __m256i b = _mm256_set1_epi32(xb);
-                        s0[i] = _mm256_dpbusd_avx_epi32(s0[i], hi0, b);
-                        s1[i] = _mm256_dpbusd_avx_epi32(s1[i], hi1, b);
+                        s0[i] = dpbusd256(s0[i], hi0, b);
+                        s1[i] = dpbusd256(s1[i], hi1, b);
                     }
                 }
             }
@@ -1700,32 +1731,36 @@ i8_tile256(const int R, const int bits, const int P, const int CH, int groups, i
     }
 }
 
-#define I8_TILE256(R_, P_)                                                                                    \
+/* one tile of R_ rows of A, with V_ (AVX-VNNI or AVX2 alone: below 8 bits), the width, the parts and (groups of
+ * 32) the count of registers as constants */
+#define I8_TILE256(V_, R_, P_)                                                                                \
     do {                                                                                                      \
-        int bits_ = i8_bits(m), g32_ = m->group == 32;                                                         \
+        int bits_ = i8_bits(m), g32_ = m->group == 32;                                                        \
         if (bits_ == 4 && g32_)                                                                               \
-            i8_tile256(R_, 4, P_, 4, groups, chunks, wb, sc, bi, half, x, k, 32, s, t, cr, ldc, valid);             \
+            i8_tile256(V_, R_, 4, P_, 4, groups, chunks, wb, sc, bi, half, x, k, 32, s, t, cr, ldc, valid);       \
         else if (bits_ == 4)                                                                                  \
-            i8_tile256(R_, 4, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
+            i8_tile256(V_, R_, 4, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid); \
         else if (bits_ == 6)                                                                                  \
-            i8_tile256(R_, 6, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
+            i8_tile256(V_, R_, 6, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid); \
         else if (bits_ == 5)                                                                                  \
-            i8_tile256(R_, 5, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
+            i8_tile256(V_, R_, 5, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid); \
         else if (bits_ == 3)                                                                                  \
-            i8_tile256(R_, 3, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
+            i8_tile256(V_, R_, 3, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid); \
         else if (bits_ == 2)                                                                                  \
-            i8_tile256(R_, 2, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
-        else if (g32_)                                                                                        \
-            i8_tile256(R_, 8, P_, 8, groups, chunks, wb, sc, bi, half, x, k, 32, s, t, cr, ldc, valid);             \
-        else                                                                                                  \
-            i8_tile256(R_, 8, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
+            i8_tile256(V_, R_, 2, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid); \
+        else if (V_ && g32_)                                                                                  \
+            i8_tile256(V_, R_, 8, P_, 8, groups, chunks, wb, sc, bi, half, x, k, 32, s, t, cr, ldc, valid);       \
+        else if (V_)                                                                                          \
+            i8_tile256(V_, R_, 8, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid); \
     } while (0)
 
-/* i8_rows with AVX-VNNI: 16 rows of W a tile, 2 rows of A (1 with two parts: AVX2 has 16 registers). */
-__attribute__((target("avx2,avxvnni,fma,f16c"))) static void i8_rows256(const qmat *m, const i8_input *in, int M,
-                                                                  float *c, int ldc, int r0, int r1) {
+/* i8_rows with AVX2 (V: by AVX-VNNI): 16 rows of W a tile, 2 rows of A (1 with two parts: AVX2 has 16
+ * registers). */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+i8_rows256(const int V, const qmat *m, const i8_input *in, int M, float *c, int ldc, int r0, int r1) {
     const uint8_t *p = in->w;
-    int parts = in->parts, k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m), most = parts == 2 ? 1 : 2;
+    int parts = in->parts, k = m->k, groups = k / m->group, chunks = i8_chunks(m), blocks = i8_blocks(m);
+    int most = parts == 2 && V ? 1 : 2;
     long bstride = (long)groups * chunks * 64, sstride = (long)groups * 16;
     int form = __atomic_load_n(&m->i8_form, __ATOMIC_RELAXED), half = form & I8_HALF, es = half ? 2 : 4;
     const uint8_t *scales = p + blocks * bstride;
@@ -1740,39 +1775,66 @@ __attribute__((target("avx2,avxvnni,fma,f16c"))) static void i8_rows256(const qm
             const uint8_t *wb = p + b * bstride;
             const uint8_t *sc = scales + b * sstride * es, *bi = biases ? biases + b * sstride * es : 0;
             float *cr = c + (long)i0 * ldc + r;
-            if (parts == 2) I8_TILE256(1, 2);
-            else if (rows == 2) I8_TILE256(2, 1);
-            else I8_TILE256(1, 1);
+            if (parts == 2 && rows == 2 && !V) I8_TILE256(V, 2, 2);
+            else if (parts == 2) I8_TILE256(V, 1, 2);
+            else if (rows == 2) I8_TILE256(V, 2, 1);
+            else I8_TILE256(V, 1, 1);
         }
     }
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void i8_rows256_vnni(const qmat *m, const i8_input *in, int M,
+                                                                   float *c, int ldc, int r0, int r1) {
+    i8_rows256(1, m, in, M, c, ldc, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void i8_rows256_emulated(const qmat *m, const i8_input *in, int M,
+                                                                       float *c, int ldc, int r0, int r1) {
+    i8_rows256(0, m, in, M, c, ldc, r0, r1);
 }
 
 /* The quantizing and tiles of the kernels this CPU runs */
 static void i8_quantize_any(const qmat *m, int parts, int M, const float *a, long lda, int8_t *xq, float *sx,
                             float *xsum) {
-    (kernels() == 2 ? i8_quantize : i8_quantize256)(m, parts, M, a, lda, xq, sx, xsum);
+    (i8_kind() == 2 ? i8_quantize : i8_quantize256)(m, parts, M, a, lda, xq, sx, xsum);
 }
 
 static void i8_rows_any(const qmat *m, const i8_input *in, int M, float *c, int ldc, int r0, int r1) {
-    (kernels() == 2 ? i8_rows : i8_rows256)(m, in, M, c, ldc, r0, r1);
+    int kind = i8_kind();
+    if (kind == 2) i8_rows(m, in, M, c, ldc, r0, r1);
+    else (kind == 1 ? i8_rows256_vnni : i8_rows256_emulated)(m, in, M, c, ldc, r0, r1);
 }
 #endif
 
-/* Products by attached matrices from activations in `parts` 8-bit parts where the CPU has VNNI (1
- * or 2; 0: the float32 kernels everywhere; -1: as they are); the parts that run. */
-static int integer_products(void) {
+/* The 8-bit parts products by `bits`-bit matrices split activations into here (0: the float32 kernels) */
+static int integer_products(int bits) {
 #ifdef X86_AVX512
-    return i8_runs();
+    return i8_runs(bits);
 #else
+    (void)bits;
     return 0;
 #endif
 }
 
+/* Products by attached matrices from activations in `parts` 8-bit parts (1 or 2; 0: the float32 kernels
+ * everywhere; -1: as they are); the parts that run for 8-bit matrices (those of every width, where VNNI is). */
 int mlxpipe_qgemm_int8(int parts) {
     if (parts >= 0) i8_wanted = parts > 2 ? 2 : parts;
+    return integer_products(8);
+}
+
+/* The parts that run for `bits`-bit matrices: on AVX2 without VNNI, those below 8 bits alone. */
+int mlxpipe_qgemm_int8_for(int bits) { return integer_products(bits); }
+
+/* Whether the integer products may run on AVX2 without VNNI (1, the default; 0 not: those of 2, 3, 5 and 6
+ * bits are then not registered; 2 there even where AVX-VNNI is, tests; -1 only asks); the setting. Call before
+ * registering any matrix. */
+int mlxpipe_qgemm_int8_emulated(int on) {
 #ifdef X86_AVX512
-    return i8_runs();
+    if (on >= 0) i8_emulated_allowed = on;
+    return i8_emulated_allowed;
 #else
+    (void)on;
     return 0;
 #endif
 }
@@ -2988,7 +3050,7 @@ int mlxpipe_qproduct(const void *handle, int M, const float *a, float *c, int fl
 int mlxpipe_qmatrix_pack(void *handle, int only) {
 #ifdef X86_AVX512
     qmat *m = (qmat *)handle;
-    if (!i8_runs() || !i8_weights(m)) return 0;
+    if (!i8_runs(m->bits) || !i8_weights(m)) return 0;
     if (only) m->q = 0, m->scales = m->biases = 0;
     return 1;
 #else
@@ -3003,7 +3065,7 @@ int mlxpipe_qmatrix_pack(void *handle, int only) {
 const void *mlxpipe_qmatrix_packed(void *handle, long *bytes, int *form) {
 #ifdef X86_AVX512
     const qmat *m = (const qmat *)handle;
-    const uint8_t *p = i8_runs() ? i8_weights(m) : 0;
+    const uint8_t *p = i8_runs(m->bits) ? i8_weights(m) : 0;
     if (!p) return 0;
     *form = __atomic_load_n(&m->i8_form, __ATOMIC_RELAXED);
     *bytes = i8_size(m, *form);
@@ -3020,7 +3082,7 @@ const void *mlxpipe_qmatrix_packed(void *handle, long *bytes, int *form) {
 void *mlxpipe_qmatrix_adopt(const float *w, int n, int k, int bits, int group, const void *packed, long bytes,
                             int form) {
 #ifdef X86_AVX512
-    if (!i8_runs() || ((uintptr_t)packed & 63) || group > 256) return 0;
+    if (!i8_runs(bits) || ((uintptr_t)packed & 63) || group > 256) return 0;
     qmat *m = enter(w, n, k, bits, group, 0, 0, 0);
     if (!m || bytes != i8_size(m, form)) {
         if (m) m->n = -1;

@@ -398,14 +398,15 @@ def int8_parts() -> int:
 
 def use_int8(parts: int) -> int:
     """Products by attached matrices from activations split into ``parts`` 8-bit parts (1 or 2; 0: the float32
-    kernels) where the CPU has VNNI; the parts that run now (0 elsewhere)."""
+    kernels); the parts that run now for 8-bit matrices (:func:`int8_activations`)."""
     return 0 if _shim is None else int(_shim.mlxpipe_qgemm_int8(parts))
 
 
-def int8_activations() -> int:
-    """The 8-bit parts products by attached matrices split each activation into here (``MLXPIPE_INT8``; 0:
-    none, the float32 kernels, as on a CPU without VNNI)."""
-    return 0 if _shim is None else int(_shim.mlxpipe_qgemm_int8(-1))
+def int8_activations(bits: int = 8) -> int:
+    """The 8-bit parts products by ``bits``-bit attached matrices split each activation into here
+    (``MLXPIPE_INT8``); 0: none, the float32 kernels. With VNNI every width takes them; on AVX2 without it the
+    widths below 8 bits (whose byte products vpmaddubsw sums exactly)."""
+    return 0 if _shim is None else int(_shim.mlxpipe_qgemm_int8_for(bits))
 
 
 def attention_alpha(softmax: bool, rep: int, capacity: int) -> float:
