@@ -13,7 +13,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -700,13 +700,12 @@ def _int8_reference(
 
 @pytest.mark.parametrize("parts", [1, 2])
 def test_int8_products_sum_integers_and_a_rows_numbers_depend_on_it_alone(openblas: Any, parts: int) -> None:
-    # Where the integer products run (VNNI; AVX2 alone below 8 bits), products by attached matrices quantize
-    # A's rows to one 8-bit part (as llama.cpp's CPU products do) or two, and sum integers: every row count,
-    # one row or a batch's or a prompt's, on one thread or two, gives a row the very numbers it gets alone
-    # (--batch 1's), to the bit.
+    # Where the integer products run (VNNI, or AVX2 alone), products by attached matrices quantize A's rows to
+    # one 8-bit part (as llama.cpp's CPU products do) or two, and sum integers: every row count, one row or a
+    # batch's or a prompt's, on one thread or two, gives a row the very numbers it gets alone (--batch 1's),
+    # to the bit.
     shim = _own_shim(openblas, quantized=True)
-    shim.mlxpipe_qgemm_int8(parts)
-    if shim.mlxpipe_qgemm_int8_for(4) != parts:
+    if shim.mlxpipe_qgemm_int8(parts) != parts:
         pytest.skip("no integer products on this CPU")
     rng = np.random.default_rng(29)
     ptr = ctypes.c_void_p
@@ -718,9 +717,6 @@ def test_int8_products_sum_integers_and_a_rows_numbers_depend_on_it_alone(openbl
     shapes += [(193, 576, 3, 32), (97, 512, 3, 128), (40, 640, 2, 64)]
     try:
         for (n, k, bits, group), threads in itertools.product(shapes, [1, 2]):
-            if shim.mlxpipe_qgemm_int8_for(bits) != parts:
-                assert bits == 8  # AVX2 alone: 8-bit values would saturate vpmaddubsw's sums
-                continue
             shim.mlxpipe_qgemm_threads(threads)
             w, packed, scales, biases = _registered(shim, rng, n, k, bits, group)
             x = rng.standard_normal((300, k + 5)).astype(np.float32)[:, :k]  # a row stride other than k
@@ -763,19 +759,20 @@ def test_int8_products_sum_integers_and_a_rows_numbers_depend_on_it_alone(openbl
 
 
 HALF, SYMMETRIC = 1, 2  # gemv.c's forms of a packed copy: 16-bit scales and biases; no biases
+AVX_VNNI, AVX512_VNNI = 1, 2  # gemv.c's kinds of integer tiles (mlxpipe_qgemm_int8_kind; 3: AVX2 alone)
 
 
-def _integer_shim(openblas: Any) -> tuple[Any, Callable[[int], bool]]:
-    """The tests' library with the integer products (skipped where none run), and whether AVX2's tiles take
-    a width's products too (beside AVX-512's)."""
+def _integer_shim(openblas: Any) -> tuple[Any, bool]:
+    """The tests' library with the integer products (skipped where none run), and whether AVX2's tiles run
+    here too (beside AVX-512's)."""
     shim = _own_shim(openblas, quantized=True)
-    if shim.mlxpipe_qgemm_int8(2) != 2 and shim.mlxpipe_qgemm_int8_for(4) != 2:
+    if shim.mlxpipe_qgemm_int8(2) != 2:
         pytest.skip("no integer products on this CPU")
     shim.mlxpipe_qgemm_int8_forms.restype = ctypes.c_long
     shim.mlxpipe_qgemv_avx2(1)
-    narrow = {bits: shim.mlxpipe_qgemm_int8_for(bits) == 2 for bits in (2, 3, 4, 5, 6, 8)}
+    narrow = shim.mlxpipe_qgemm_int8(2) == 2
     shim.mlxpipe_qgemv_avx2(0)
-    return shim, narrow.__getitem__
+    return shim, narrow
 
 
 def _products_by_form(
@@ -814,12 +811,10 @@ def test_float16_scales_kept_in_16_bits_give_the_same_numbers(openblas: Any) -> 
     try:
         for (n, k, bits, group), parts in itertools.product(shapes, [1, 2]):
             shim.mlxpipe_qgemm_int8(parts)
-            if shim.mlxpipe_qgemm_int8_for(bits) != parts:  # (8 bits on AVX2 alone: the float32 kernels)
-                continue
             arrays = w, _, scales, biases = _quantized(rng, n, k, bits, group)
             scales[...], biases[...] = scales.astype(np.float16), biases.astype(np.float16)
             x = rng.standard_normal((64, k)).astype(np.float32)
-            _products_by_form(shim, arrays, bits, group, x, HALF, narrow(bits))
+            _products_by_form(shim, arrays, bits, group, x, HALF, narrow)
         shim.mlxpipe_qgemm_int8_half(1)
         held = shim.mlxpipe_qgemm_int8_forms(HALF)
         w, *_alive = _registered(shim, rng, 64, 256, 4)  # float32 scales: not float16 values
@@ -842,8 +837,6 @@ def test_symmetric_matrices_leave_their_biases_out_and_give_the_same_numbers(ope
     try:
         for (n, k, bits, group), parts, half in itertools.product(shapes, [1, 2], [0, 1]):
             shim.mlxpipe_qgemm_int8(parts)
-            if shim.mlxpipe_qgemm_int8_for(bits) != parts:  # (8 bits on AVX2 alone: the float32 kernels)
-                continue
             shim.mlxpipe_qgemm_int8_half(half)
             w, packed, scales, biases = _quantized(rng, n, k, bits, group)
             scales[...] = scales.astype(np.float16)
@@ -852,16 +845,16 @@ def test_symmetric_matrices_leave_their_biases_out_and_give_the_same_numbers(ope
                 _values(packed, bits).reshape(n, -1, group) * scales[..., None] + biases[..., None]
             ).reshape(n, k)
             x = rng.standard_normal((64, k)).astype(np.float32)
-            product = _products_by_form(shim, (w, packed, scales, biases), bits, group, x, SYMMETRIC, narrow(bits))
+            product = _products_by_form(shim, (w, packed, scales, biases), bits, group, x, SYMMETRIC, narrow)
             if parts == 2:  # (one part is MLXPIPE_INT8=1's coarser choice, tested elsewhere)
                 want = x.astype(np.float64) @ w.T.astype(np.float64)
                 np.testing.assert_allclose(product, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
         shim.mlxpipe_qgemm_int8_symmetric(1)
         held = shim.mlxpipe_qgemm_int8_forms(SYMMETRIC)
-        w, packed, scales, biases = _quantized(rng, 64, 256, 4)
-        biases[...] = scales * -8.0
+        w, packed, scales, biases = _quantized(rng, 64, 256, 8)
+        biases[...] = scales * -128.0
         biases[5, 3] = np.nextafter(biases[5, 3], np.float32(1))  # one bias off: not symmetric
-        _register(shim, (w, packed, scales, biases), 4)
+        _register(shim, (w, packed, scales, biases), 8)
         assert _product(shim, w, x[:4, :256])[1]
         assert shim.mlxpipe_qgemm_int8_forms(SYMMETRIC) == held
         shim.mlxpipe_qgemv_unregister(ctypes.c_void_p(w.ctypes.data))
@@ -876,10 +869,10 @@ def test_avx_vnni_products_are_the_avx512_ones_to_the_last_bit(openblas: Any) ->
     # A CPU with AVX-VNNI but not AVX-512 (AVX2 and 256-bit VNNI) takes the same integer products, 8 lanes a
     # register: the same numbers as AVX-512's (tried where the CPU has both).
     shim = _own_shim(openblas, quantized=True)
-    if shim.mlxpipe_qgemm_int8(2) != 2:
+    if shim.mlxpipe_qgemm_int8(2) != 2 or shim.mlxpipe_qgemm_int8_kind() != AVX512_VNNI:
         pytest.skip("no AVX-512 VNNI on this CPU")
     shim.mlxpipe_qgemv_avx2(1)
-    both = shim.mlxpipe_qgemm_int8(2) == 2
+    both = shim.mlxpipe_qgemm_int8_kind() == AVX_VNNI
     shim.mlxpipe_qgemv_avx2(0)
     if not both:
         pytest.skip("no AVX-VNNI beside AVX-512 VNNI on this CPU")
@@ -891,7 +884,7 @@ def test_avx_vnni_tiles_by_avx512s_vnni_are_the_avx512_ones(openblas: Any, tmp_p
     # VL's encoding of the same 256-bit vpdpbusd (a test build), they give AVX-512's numbers, every width.
     cc = shutil.which("cc")
     shim = _own_shim(openblas, quantized=True)
-    if cc is None or shim.mlxpipe_qgemm_int8(2) != 2:
+    if cc is None or shim.mlxpipe_qgemm_int8(2) != 2 or shim.mlxpipe_qgemm_int8_kind() != AVX512_VNNI:
         pytest.skip("no C compiler or no AVX-512 VNNI on this CPU")
     source = (Path(gemv.__file__).parent / "gemv.c").read_text()
     detect = "int avxvnni = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);"
@@ -919,28 +912,28 @@ def test_avx_vnni_tiles_by_avx512s_vnni_are_the_avx512_ones(openblas: Any, tmp_p
         ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p), ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
     )
     emulated.mlxpipe_qgemv_avx2(1)
-    if emulated.mlxpipe_qgemm_int8(2) != 2:
+    if emulated.mlxpipe_qgemm_int8_kind() != AVX_VNNI:
         pytest.skip("no AVX-512 VL on this CPU")
     emulated.mlxpipe_qgemv_avx2(0)
     _avx_vnni_tiles_match(emulated)
 
 
 def test_avx2_alone_tiles_are_the_avx512_ones_to_the_last_bit(openblas: Any) -> None:
-    # A CPU with AVX2 but no VNNI (Zen 2 and 3, Intel before Alder Lake) sums the same integers by vpmaddubsw,
-    # vpmaddwd and vpaddd, below 8 bits: the same numbers as AVX-512 VNNI's (tried where the CPU has it).
+    # A CPU with AVX2 but no VNNI (Zen 2 and 3, Intel before Alder Lake) sums the same integers by other
+    # instructions (vpmaddubsw below 8 bits, vpmaddwd by 16-bit words at 8): the same numbers as AVX-512
+    # VNNI's (tried where the CPU has it).
     shim = _own_shim(openblas, quantized=True)
-    if shim.mlxpipe_qgemm_int8(2) != 2:
+    if shim.mlxpipe_qgemm_int8(2) != 2 or shim.mlxpipe_qgemm_int8_kind() != AVX512_VNNI:
         pytest.skip("no AVX-512 VNNI on this CPU")
     shim.mlxpipe_qgemm_int8_emulated(2)
     try:
-        _avx_vnni_tiles_match(shim, widths=(2, 3, 4, 5, 6))
+        _avx_vnni_tiles_match(shim)
     finally:
         shim.mlxpipe_qgemm_int8_emulated(1)
 
 
-def _avx_vnni_tiles_match(shim: Any, widths: tuple[int, ...] = (2, 3, 4, 5, 6, 8)) -> None:
-    """Products by ``shim``'s AVX2 integer tiles (mlxpipe_qgemv_avx2) are its AVX-512 ones, to the bit, for
-    matrices of ``widths``."""
+def _avx_vnni_tiles_match(shim: Any) -> None:
+    """Products by ``shim``'s AVX2 integer tiles (mlxpipe_qgemv_avx2) are its AVX-512 ones, to the bit."""
     rng = np.random.default_rng(31)
     ptr = ctypes.c_void_p
     shim.mlxpipe_qgemm_max_rows(gemv.MAX_ROWS)
@@ -948,11 +941,8 @@ def _avx_vnni_tiles_match(shim: Any, widths: tuple[int, ...] = (2, 3, 4, 5, 6, 8
     shapes += [(193, 576, 6, 32), (577, 640, 6, 64), (97, 512, 5, 32), (40, 256, 5, 128), (97, 512, 3, 64)]
     shapes += [(40, 256, 2, 32)]
     symmetric = [(4096, 576, 8, 32), (193, 576, 4, 32)]  # as GGUF's Q8_0, Q4_0: copied without biases
-    shapes = [s for s in shapes if s[2] in widths]
     try:
         for (n, k, bits, group), threads, parts in itertools.product([*shapes, *symmetric], [1, 2], [1, 2]):
-            if bits not in widths:
-                continue
             shim.mlxpipe_qgemm_threads(threads)
             shim.mlxpipe_qgemm_int8(parts)
             w, *_alive = arrays = _quantized(rng, n, k, bits, group)
@@ -996,7 +986,7 @@ def test_the_kernels_compute_the_embedded_model_from_its_quantized_weights_alone
         pytest.skip("mlxpipe's kernels do not run here (a GPU, a CPU without AVX-512 or AVX2, no compiler)")
     layer = engine.model.model.layers[0]
     assert isinstance(layer.mlp.down_proj.__dict__[quantized.MATRIX], kernels.Matrix)
-    if gemv.int8_activations(4):  # the packed copy is the only one: neither the layer nor the matrix holds any
+    if gemv.int8_activations():  # the packed copy is the only one: neither the layer nor the matrix holds any
         assert layer.mlp.down_proj.__dict__[quantized.MATRIX].arrays == ()
     tokens = mx.array(
         [engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")]

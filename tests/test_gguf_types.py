@@ -208,7 +208,7 @@ def test_other_bit_widths_take_the_integer_products_only() -> None:
     for bits in (3, 5, 6):
         q = np.zeros((64, 128 * bits // 32), np.uint32)
         registered = gemv.attach(w, q, s, s, bits, 32)
-        assert registered is (gemv.int8_activations(bits) > 0)
+        assert registered is (gemv.int8_activations() > 0)
         if registered:
             gemv.detach([w])
 
@@ -246,7 +246,7 @@ def test_engine_on_5_and_8_bit_layers_matches_the_quantized_model(tmp_path: Path
     # The 8-bit matrices read their quantized bytes; the 5-bit ones too where the integer products run, else
     # they stay on the float path.
     eight = sum(1 for i, n in enumerate(names) if i % 2 and n != "token_embd.weight")
-    assert engine.quantized_rows <= (len(names) if gemv.int8_activations(5) else eight)
+    assert engine.quantized_rows <= (len(names) if gemv.int8_activations() else eight)
     if gemv.quantized_available():
         assert engine.quantized_rows > 0
     reference, _ = mlx_lm.load(engine.folder)

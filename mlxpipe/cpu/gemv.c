@@ -70,7 +70,7 @@ void mlxpipe_qgemm_max_rows(int rows) { qgemm_max_rows = rows; }
 static unsigned slot_of(const float *w) { return (unsigned)(((uintptr_t)w >> 6) * 2654435761u) & (TABLE - 1); }
 
 int mlxpipe_qgemv_available(void);
-static int integer_products(int bits);
+static int integer_products(void);
 
 /* Registers W (key w, n x k) and returns its entry, which stays where it is (a handle for mlxpipe_qproduct);
  * 0 when the CPU or the layout has no kernel. */
@@ -78,7 +78,7 @@ static qmat *enter(const float *w, int n, int k, int bits, int group, const void
                    const float *biases) {
     /* 2, 3, 5 and 6 bits: the integer products only (their copy packed for them alone) */
     int wide = bits == 2 || bits == 3 || bits == 5 || bits == 6;
-    if (!mlxpipe_qgemv_available() || !(bits == 4 || bits == 8 || (wide && integer_products(bits))) || group % 32 ||
+    if (!mlxpipe_qgemv_available() || !(bits == 4 || bits == 8 || (wide && integer_products())) || group % 32 ||
         k % group || registered >= TABLE / 2)
         return 0;
     unsigned i = slot_of(w), dead = TABLE;
@@ -1143,9 +1143,9 @@ static int i8_wanted = 2; /* 8-bit parts an activation is split into: 0 (the flo
 enum { I8_W = 32, I8_AHEAD = 16384 }; /* a tile's rows of W (two registers of 16); bytes fetched ahead */
 static int i8_cpu = -1;
 
-/* The kernels the integer products take here: 2 AVX-512 VNNI's, 1 AVX-VNNI's, 3 AVX2's without VNNI (vpmaddubsw,
- * vpmaddwd and vpaddd in vpdpbusd's place, as llama.cpp's AVX2 dots: exact for values below 8 bits, whose pair
- * sums by bytes stay below 2^15), 0 none */
+/* The kernels the integer products take here: 2 AVX-512 VNNI's, 1 AVX-VNNI's, 3 AVX2's alone (below 8 bits
+ * vpmaddubsw, vpaddw, vpmaddwd and vpaddd in vpdpbusd's place, as llama.cpp's AVX2 dots, exact: a value's byte
+ * products stay below 2^15; 8-bit values by vpmaddwd, x's two parts as one 16-bit word: i8_tile256w), 0 none */
 static int i8_emulated_allowed = 1;
 static int i8_kind(void) {
     if (i8_cpu < 0) {
@@ -1159,20 +1159,16 @@ static int i8_kind(void) {
     return kernels() > 0 && i8_emulated_allowed ? 3 : 0;
 }
 
-/* the parts products by `bits`-bit matrices take here: i8_wanted where i8_kind has kernels for the width (AVX2's
- * without VNNI: below 8 bits, 8-bit values would saturate vpmaddubsw), else 0 */
-static int i8_runs(int bits) {
-    int kind = i8_kind();
-    return kind == 1 || kind == 2 || (kind == 3 && bits < 8) ? i8_wanted : 0;
-}
+/* the parts that run here: i8_wanted where i8_kind has kernels (for every width), else 0 */
+static int i8_runs(void) { return i8_kind() ? i8_wanted : 0; }
 
-/* the parts m's products take: i8_runs, or two where m's packed copy is its only one (mlxpipe_qmatrix_pack) */
+/* the parts m's products take: i8_runs(), or two where m's packed copy is its only one (mlxpipe_qmatrix_pack) */
 static int i8_parts_for(const qmat *m) {
-    int parts = i8_runs(m->bits);
+    int parts = i8_runs();
     if (parts || m->q) return parts;
     int wanted = i8_wanted;
     i8_wanted = 2;
-    parts = i8_runs(m->bits);
+    parts = i8_runs();
     i8_wanted = wanted;
     return parts;
 }
@@ -1366,9 +1362,11 @@ __attribute__((target("avx512f,avx512bw"))) static void i8_quantize(const qmat *
         }
 }
 
-/* i8_quantize with AVX2 (a CPU with AVX-VNNI but not AVX-512): the same bytes, scales and sums. */
-__attribute__((target("avx2,fma"))) static void i8_quantize256(const qmat *m, int parts, int M, const float *a,
-                                                              long lda, int8_t *xq, float *sx, float *xsum) {
+/* i8_quantize with AVX2: the same bytes, scales and sums; with `words` (AVX2 alone) each value's parts as one
+ * 16-bit word instead, 256 q1 + q2 (q1 with one part; within +-32640), a row's k words after the row before. */
+__attribute__((target("avx2,fma"))) static void i8_quantize256(const qmat *m, int parts, int words, int M,
+                                                              const float *a, long lda, int8_t *xq, float *sx,
+                                                              float *xsum) {
     int k = m->k, group = m->group, groups = k / group;
     const __m256 fine = _mm256_set1_ps(256.0f), magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int i = 0; i < M; i++)
@@ -1395,9 +1393,14 @@ __attribute__((target("avx2,fma"))) static void i8_quantize256(const qmat *m, in
                     _mm256_storeu_si256((__m256i *)second,
                                         _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(y, _mm256_cvtepi32_ps(q)), fine)));
                 for (int l = 0; l < 8; l++) { /* saturated, as vpmovsdb */
-                    row[j + l] = (int8_t)(first[l] > 127 ? 127 : first[l] < -128 ? -128 : first[l]);
-                    if (parts == 2)
-                        row[k + j + l] = (int8_t)(second[l] > 127 ? 127 : second[l] < -128 ? -128 : second[l]);
+                    int8_t q1 = (int8_t)(first[l] > 127 ? 127 : first[l] < -128 ? -128 : first[l]), q2 = 0;
+                    if (parts == 2) q2 = (int8_t)(second[l] > 127 ? 127 : second[l] < -128 ? -128 : second[l]);
+                    if (words) {
+                        ((int16_t *)xq)[(long)i * k + (long)g * group + j + l] = (int16_t)(q1 * (parts == 2 ? 256 : 1) + q2);
+                        continue;
+                    }
+                    row[j + l] = q1;
+                    if (parts == 2) row[k + j + l] = q2;
                 }
             }
             _mm256_storeu_ps(lanes, sum0);
@@ -1731,6 +1734,69 @@ i8_tile256(const int V, const int R, const int bits, const int P, const int CH, 
     }
 }
 
+/* i8_tile with AVX2 alone for 8-bit values (whose byte products vpmaddubsw would saturate): x's words
+ * (i8_quantize256's, a value's two parts as one, 256 q1 + q2), 4 at a time, meet W's bytes widened to 16 bits
+ * (vpunpck[lh]bw: rows 0, 1, 4, 5 and rows 2, 3, 6, 7 of a register's 8, two words a row) by vpmaddwd
+ * (products summed in pairs, exact), and add in 32 bits (below 2^31 up to groups of 256, as the VNNI tiles'
+ * d * 256 + e); each row's two sums join by vphaddd, the rows in order. The same integers, the same operations
+ * after them lane by lane: the same numbers. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+i8_tile256w(const int R, const int P, const int CH, int groups, int chunks, const uint8_t *w, const uint8_t *sc,
+            const uint8_t *bi, int half, const int8_t *xq, int k, int group, const float *sx, const float *xsum,
+            float *c, int ldc, int valid) {
+    const int es = half ? 2 : 4, ch = CH ? CH : chunks;
+    const int16_t *xw = (const int16_t *)xq;
+    const __m256i zero = _mm256_setzero_si256();
+    __m256 f0[R], f1[R];
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) f0[i] = f1[i] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m256i d0[R], e0[R], d1[R], e1[R]; /* a half's rows 0, 1, 4, 5 (d) and 2, 3, 6, 7 (e) */
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) d0[i] = d1[i] = e0[i] = e1[i] = zero;
+        const uint8_t *wg = w + (long)g * ch * 64;
+        const int16_t *xg = xw + (long)g * group;
+        _mm_prefetch((const char *)sc + (I8_AHEAD / ch + g * 64) / 4 * es, _MM_HINT_T0);
+        if (bi) _mm_prefetch((const char *)bi + (I8_AHEAD / ch + g * 64) / 4 * es, _MM_HINT_T0);
+        _Pragma("GCC unroll 8") for (int cc = 0; cc < ch; cc++) {
+            _mm_prefetch((const char *)wg + I8_AHEAD + cc * 64, _MM_HINT_T0);
+            __m256i v0 = _mm256_load_si256((const __m256i *)(wg + cc * 64));
+            __m256i v1 = _mm256_load_si256((const __m256i *)(wg + cc * 64 + 32));
+            const __m256i w0 = _mm256_unpacklo_epi8(v0, zero), w1 = _mm256_unpackhi_epi8(v0, zero);
+            const __m256i w2 = _mm256_unpacklo_epi8(v1, zero), w3 = _mm256_unpackhi_epi8(v1, zero);
+            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+                int64_t xa;
+                memcpy(&xa, xg + (long)i * k + cc * 4, 8);
+                const __m256i a = _mm256_set1_epi64x(xa);
+                d0[i] = _mm256_add_epi32(d0[i], _mm256_madd_epi16(w0, a));
+                e0[i] = _mm256_add_epi32(e0[i], _mm256_madd_epi16(w1, a));
+                d1[i] = _mm256_add_epi32(d1[i], _mm256_madd_epi16(w2, a));
+                e1[i] = _mm256_add_epi32(e1[i], _mm256_madd_epi16(w3, a));
+            }
+        }
+        __m256 s0 = I8_SCALES256(sc, g * 16), s1 = I8_SCALES256(sc, g * 16 + 8);
+        const __m256 offset = _mm256_set1_ps(-128.0f);
+        __m256 b0 = bi ? I8_SCALES256(bi, g * 16) : _mm256_mul_ps(s0, offset);
+        __m256 b1 = bi ? I8_SCALES256(bi, g * 16 + 8) : _mm256_mul_ps(s1, offset);
+        if (P == 2) {
+            const __m256 fine = _mm256_set1_ps(1.0f / 256);
+            s0 = _mm256_mul_ps(s0, fine), s1 = _mm256_mul_ps(s1, fine);
+        }
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+            __m256 scale = _mm256_set1_ps(sx[(long)i * groups + g]), sum = _mm256_set1_ps(xsum[(long)i * groups + g]);
+            __m256 t0 = _mm256_cvtepi32_ps(_mm256_hadd_epi32(d0[i], e0[i]));
+            __m256 t1 = _mm256_cvtepi32_ps(_mm256_hadd_epi32(d1[i], e1[i]));
+            f0[i] = _mm256_fmadd_ps(b0, sum, _mm256_fmadd_ps(t0, _mm256_mul_ps(s0, scale), f0[i]));
+            f1[i] = _mm256_fmadd_ps(b1, sum, _mm256_fmadd_ps(t1, _mm256_mul_ps(s1, scale), f1[i]));
+        }
+    }
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), iota);
+    __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid - 8), iota);
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+        _mm256_maskstore_ps(c + (long)i * ldc, m0, f0[i]);
+        _mm256_maskstore_ps(c + (long)i * ldc + 8, m1, f1[i]);
+    }
+}
+
 /* one tile of R_ rows of A, with V_ (AVX-VNNI or AVX2 alone: below 8 bits), the width, the parts and (groups of
  * 32) the count of registers as constants */
 #define I8_TILE256(V_, R_, P_)                                                                                \
@@ -1752,6 +1818,10 @@ i8_tile256(const int V, const int R, const int bits, const int P, const int CH, 
             i8_tile256(V_, R_, 8, P_, 8, groups, chunks, wb, sc, bi, half, x, k, 32, s, t, cr, ldc, valid);       \
         else if (V_)                                                                                          \
             i8_tile256(V_, R_, 8, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid); \
+        else if (g32_) /* AVX2 alone: x's words */                                                            \
+            i8_tile256w(R_, P_, 8, groups, chunks, wb, sc, bi, half, x, k, 32, s, t, cr, ldc, valid);             \
+        else                                                                                                  \
+            i8_tile256w(R_, P_, 0, groups, chunks, wb, sc, bi, half, x, k, m->group, s, t, cr, ldc, valid);       \
     } while (0)
 
 /* i8_rows with AVX2 (V: by AVX-VNNI): 16 rows of W a tile, 2 rows of A (1 with two parts: AVX2 has 16
@@ -1768,7 +1838,7 @@ i8_rows256(const int V, const qmat *m, const i8_input *in, int M, float *c, int 
     int rare = i8_bits(m) == 2 || i8_bits(m) == 3 || i8_bits(m) == 5; /* tiles of `most` rows or of one */
     for (int i0 = 0, rows; i0 < M; i0 += rows) {
         rows = M - i0 >= most ? most : rare ? 1 : M - i0;
-        const int8_t *x = in->xq + (long)i0 * parts * k;
+        const int8_t *x = in->xq + (long)i0 * (V || i8_bits(m) != 8 ? parts : 2) * k; /* (words: 2 bytes) */
         const float *s = in->sx + (long)i0 * groups, *t = in->xsum + (long)i0 * groups;
         for (int r = r0; r < r1; r += 16) {
             int valid = r1 - r < 16 ? r1 - r : 16, b = r / 16;
@@ -1793,10 +1863,15 @@ __attribute__((target("avx2,fma,f16c"))) static void i8_rows256_emulated(const q
     i8_rows256(0, m, in, M, c, ldc, r0, r1);
 }
 
+/* Whether m's products take x's values as 16-bit words (i8_quantize256, i8_tile256w): 8-bit ones on AVX2 alone */
+static int i8_words(const qmat *m) { return i8_kind() == 3 && m->bits == 8; }
+
 /* The quantizing and tiles of the kernels this CPU runs */
 static void i8_quantize_any(const qmat *m, int parts, int M, const float *a, long lda, int8_t *xq, float *sx,
                             float *xsum) {
-    (i8_kind() == 2 ? i8_quantize : i8_quantize256)(m, parts, M, a, lda, xq, sx, xsum);
+    int kind = i8_kind();
+    if (kind == 2) i8_quantize(m, parts, M, a, lda, xq, sx, xsum);
+    else i8_quantize256(m, parts, i8_words(m), M, a, lda, xq, sx, xsum);
 }
 
 static void i8_rows_any(const qmat *m, const i8_input *in, int M, float *c, int ldc, int r0, int r1) {
@@ -1806,29 +1881,34 @@ static void i8_rows_any(const qmat *m, const i8_input *in, int M, float *c, int 
 }
 #endif
 
-/* The 8-bit parts products by `bits`-bit matrices split activations into here (0: the float32 kernels) */
-static int integer_products(int bits) {
+/* The 8-bit parts products by attached matrices split activations into here (0: the float32 kernels) */
+static int integer_products(void) {
 #ifdef X86_AVX512
-    return i8_runs(bits);
+    return i8_runs();
 #else
-    (void)bits;
     return 0;
 #endif
 }
 
 /* Products by attached matrices from activations in `parts` 8-bit parts (1 or 2; 0: the float32 kernels
- * everywhere; -1: as they are); the parts that run for 8-bit matrices (those of every width, where VNNI is). */
+ * everywhere; -1: as they are); the parts that run. */
 int mlxpipe_qgemm_int8(int parts) {
     if (parts >= 0) i8_wanted = parts > 2 ? 2 : parts;
-    return integer_products(8);
+    return integer_products();
 }
 
-/* The parts that run for `bits`-bit matrices: on AVX2 without VNNI, those below 8 bits alone. */
-int mlxpipe_qgemm_int8_for(int bits) { return integer_products(bits); }
+/* The kernels the integer products take here: 2 AVX-512 VNNI's, 1 AVX-VNNI's, 3 AVX2's alone, 0 none. */
+int mlxpipe_qgemm_int8_kind(void) {
+#ifdef X86_AVX512
+    return i8_kind();
+#else
+    return 0;
+#endif
+}
 
-/* Whether the integer products may run on AVX2 without VNNI (1, the default; 0 not: those of 2, 3, 5 and 6
- * bits are then not registered; 2 there even where AVX-VNNI is, tests; -1 only asks); the setting. Call before
- * registering any matrix. */
+/* Whether the integer products may run on AVX2 without VNNI (1, the default; 0 not: then the float32 kernels,
+ * and 2-, 3-, 5- and 6-bit matrices are not registered; 2 there even where AVX-VNNI is, tests; -1 only asks);
+ * the setting. Call before registering any matrix. */
 int mlxpipe_qgemm_int8_emulated(int on) {
 #ifdef X86_AVX512
     if (on >= 0) i8_emulated_allowed = on;
@@ -2115,7 +2195,7 @@ static int qgemm(const qmat *m, int M, const float *a, int lda, float alpha, flo
     if (i8.w) { /* A quantized once for every stretch, of both threads */
         static __thread float *quantized;
         static __thread long quantized_len;
-        long groups = m->k / m->group, need = (long)M * (2 * groups + parts * m->k / 4);
+        long groups = m->k / m->group, need = (long)M * (2 * groups + 2 * m->k / 4); /* (words: 2 bytes a value) */
         if (need > quantized_len) {
             float *grown = realloc(quantized, need * sizeof(float));
             if (!grown) return 0;
@@ -3050,7 +3130,7 @@ int mlxpipe_qproduct(const void *handle, int M, const float *a, float *c, int fl
 int mlxpipe_qmatrix_pack(void *handle, int only) {
 #ifdef X86_AVX512
     qmat *m = (qmat *)handle;
-    if (!i8_runs(m->bits) || !i8_weights(m)) return 0;
+    if (!i8_runs() || !i8_weights(m)) return 0;
     if (only) m->q = 0, m->scales = m->biases = 0;
     return 1;
 #else
@@ -3065,7 +3145,7 @@ int mlxpipe_qmatrix_pack(void *handle, int only) {
 const void *mlxpipe_qmatrix_packed(void *handle, long *bytes, int *form) {
 #ifdef X86_AVX512
     const qmat *m = (const qmat *)handle;
-    const uint8_t *p = i8_runs(m->bits) ? i8_weights(m) : 0;
+    const uint8_t *p = i8_runs() ? i8_weights(m) : 0;
     if (!p) return 0;
     *form = __atomic_load_n(&m->i8_form, __ATOMIC_RELAXED);
     *bytes = i8_size(m, *form);
@@ -3082,7 +3162,7 @@ const void *mlxpipe_qmatrix_packed(void *handle, long *bytes, int *form) {
 void *mlxpipe_qmatrix_adopt(const float *w, int n, int k, int bits, int group, const void *packed, long bytes,
                             int form) {
 #ifdef X86_AVX512
-    if (!i8_runs(bits) || ((uintptr_t)packed & 63) || group > 256) return 0;
+    if (!i8_runs() || ((uintptr_t)packed & 63) || group > 256) return 0;
     qmat *m = enter(w, n, k, bits, group, 0, 0, 0);
     if (!m || bytes != i8_size(m, form)) {
         if (m) m->n = -1;

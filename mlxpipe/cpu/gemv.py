@@ -24,10 +24,11 @@ W's dequantized rows (AVX-512 or AVX2, the same sums on either), in the same sen
 it alone, in another order than the one-row kernels'. A large one-row product (a single stream's output
 layer) shares its rows with the helper thread too (:func:`share_one_rows`), each row summed as alone.
 
-On a CPU with VNNI (AVX-512's, or AVX-VNNI beside AVX2) all those products (one row or many) split each row
-of A per group into two 8-bit parts and sum integers (:func:`use_int8`): faster than the float32 GEMM, each
-row's numbers its own (the same at ``--batch 1`` and in any batch, and with either kind of VNNI), within ~1e-4
-of float32's. ``MLXPIPE_INT8=1`` takes one part, as llama.cpp's CPU products do (faster again, greedy answers
+On a CPU with AVX2 all those products (one row or many) split each row of A per group into two 8-bit parts
+and sum integers (:func:`use_int8`): by VNNI (AVX-512's, or AVX-VNNI beside AVX2), or by AVX2 alone (the
+same integers by vpmaddubsw, or vpmaddwd for 8-bit weights); faster than the float32 kernels, each row's
+numbers its own (the same at ``--batch 1`` and in any batch, and on any of these kernels), within ~1e-4 of
+float32's. ``MLXPIPE_INT8=1`` takes one part, as llama.cpp's CPU products do (faster again, greedy answers
 part from float32's); ``MLXPIPE_INT8=off`` keeps the float32 kernels (and AMX, which otherwise the integer
 products replace). Figures: bench/RESULTS.md.
 """
@@ -398,15 +399,14 @@ def int8_parts() -> int:
 
 def use_int8(parts: int) -> int:
     """Products by attached matrices from activations split into ``parts`` 8-bit parts (1 or 2; 0: the float32
-    kernels); the parts that run now for 8-bit matrices (:func:`int8_activations`)."""
+    kernels) where the CPU has AVX2 (with VNNI, or by AVX2 alone); the parts that run now (0 elsewhere)."""
     return 0 if _shim is None else int(_shim.mlxpipe_qgemm_int8(parts))
 
 
-def int8_activations(bits: int = 8) -> int:
-    """The 8-bit parts products by ``bits``-bit attached matrices split each activation into here
-    (``MLXPIPE_INT8``); 0: none, the float32 kernels. With VNNI every width takes them; on AVX2 without it the
-    widths below 8 bits (whose byte products vpmaddubsw sums exactly)."""
-    return 0 if _shim is None else int(_shim.mlxpipe_qgemm_int8_for(bits))
+def int8_activations() -> int:
+    """The 8-bit parts products by attached matrices split each activation into here (``MLXPIPE_INT8``; 0:
+    none, the float32 kernels, as on a CPU without AVX2)."""
+    return 0 if _shim is None else int(_shim.mlxpipe_qgemm_int8(-1))
 
 
 def attention_alpha(softmax: bool, rep: int, capacity: int) -> float:

@@ -101,9 +101,9 @@ class Matrix:
     kernels read them in place) and passed to every product so that mlx keeps them while it is pending."""
 
     def __init__(
-        self, handle: int, key: int, arrays: tuple[Any, ...], n: int, k: int, bits: int, mapped: object = None
+        self, handle: int, key: int, arrays: tuple[Any, ...], n: int, k: int, mapped: object = None
     ) -> None:
-        self.handle, self.key, self.arrays, self.n, self.k, self.bits = handle, key, arrays, n, k, bits
+        self.handle, self.key, self.arrays, self.n, self.k = handle, key, arrays, n, k
         self.mapped = mapped  # the PackedFile whose mapping holds its copy, kept while it is
 
     @classmethod
@@ -118,7 +118,7 @@ class Matrix:
             return None
         handle, key = found
         n, k = int(q.shape[0]), int(q.shape[1]) * 32 // bits
-        return cls(handle, key, (q, scales, biases), n, k, bits)
+        return cls(handle, key, (q, scales, biases), n, k)
 
     def pack_only(self) -> bool:
         """Make the kernels' packed copy of this matrix its only one, where the integer products run: the
@@ -169,7 +169,7 @@ class PackedFile:
             return None
         offset, size, packing = entry[:3]
         found = gemv.adopt((form[0], form[1]), form[2], form[3], self._base + offset, size, packing)
-        return None if found is None else Matrix(found[0], found[1], (), form[0], form[1], form[2], self)
+        return None if found is None else Matrix(found[0], found[1], (), form[0], form[1], self)
 
     def remember(self, name: str, matrix: Matrix, form: list[int]) -> None:
         """Keep ``matrix``'s packed copy (made now where it is not yet) for :meth:`write`."""

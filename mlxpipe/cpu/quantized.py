@@ -196,13 +196,16 @@ def to_kernels(
     found = forms(model, cast=False)  # read a layer at a time as each is registered: less memory at once
     modules = dict(model.named_modules())
     matrices, refused = [], []
+    # Where the integer products run, each matrix's packed copy (made now) is its only one: the layer keeps
+    # placeholders of its arrays' shapes (an embedding keeps its arrays: mlx looks its rows up).
+    lean = gemv.int8_activations() > 0
     for key, names in (joinable(model, found, groups) if fuse_groups else {}).items():
-        matrix = _fused_to_kernels(key, names, found, modules, kept)
+        matrix = _fused_to_kernels(key, names, found, modules, kept, lean)
         if matrix is not None:  # (else its parts are tried alone, below)
             matrices.append(matrix)
         mx.clear_cache()  # what was let go, for the next packed copies (malloc's)
     for name in list(found):
-        matrix = _layer_to_kernels(name, found.pop(name), modules[name], kept)
+        matrix = _layer_to_kernels(name, found.pop(name), modules[name], kept, lean)
         if matrix is None:
             refused.append(name)
         else:
@@ -216,15 +219,8 @@ def to_kernels(
     return matrices, refused
 
 
-def _lean(bits: int) -> bool:
-    """Whether the integer products take ``bits``-bit matrices here: then each one's packed copy (made now) is
-    its only one, its layer keeping placeholders of its arrays' shapes (an embedding keeps its arrays: mlx looks
-    its rows up)."""
-    return gemv.int8_activations(bits) > 0
-
-
 def _matrix_of(
-    name: str, arrays: Callable[[], list[Any]], form: list[int], kept: kernels.PackedFile | None
+    name: str, arrays: Callable[[], list[Any]], form: list[int], kept: kernels.PackedFile | None, lean: bool
 ) -> kernels.Matrix | None:
     """The matrix ``name`` (``form``: rows, columns, bits, group size) adopted from ``kept``, or else
     registered from ``arrays()`` (and kept there for the next run, where its packed copy is its only one)."""
@@ -232,7 +228,7 @@ def _matrix_of(
     if matrix is None:
         q, scales, biases = arrays()
         matrix = kernels.Matrix.register(q, scales, biases, form[2], form[3])
-        if matrix is not None and kept is not None and _lean(form[2]):
+        if matrix is not None and kept is not None and lean:
             kept.remember(name, matrix, form)
     return matrix
 
@@ -243,6 +239,7 @@ def _fused_to_kernels(
     found: dict[str, tuple[Any, ...]],
     modules: dict[str, Any],
     kept: kernels.PackedFile | None,
+    lean: bool,
 ) -> kernels.Matrix | None:
     """The layers ``names`` computed as the rows of one registered matrix (``key``: its owner's
     :data:`FUSED`); their forms leave ``found``. None where the kernels do not take it (``found`` kept)."""
@@ -255,10 +252,10 @@ def _fused_to_kernels(
         mx.eval(whole)
         return whole
 
-    matrix = _matrix_of(key, joined, [rows, int(parts[0][0].shape[1]) * 32 // bits, bits, group], kept)
+    matrix = _matrix_of(key, joined, [rows, int(parts[0][0].shape[1]) * 32 // bits, bits, group], kept, lean)
     if matrix is None:
         return None
-    only = _lean(bits) and (matrix.arrays == () or matrix.pack_only())
+    only = lean and (matrix.arrays == () or matrix.pack_only())
     start = 0
     for name, form in zip(names, parts, strict=True):  # the parts' arrays: views of the whole's rows
         stop = start + form[0].shape[0]
@@ -273,21 +270,22 @@ def _fused_to_kernels(
 
 
 def _layer_to_kernels(
-    name: str, form: tuple[Any, ...], module: Any, kept: kernels.PackedFile | None
+    name: str, form: tuple[Any, ...], module: Any, kept: kernels.PackedFile | None, lean: bool
 ) -> kernels.Matrix | None:
     """Layer ``name`` (``module``, its ``form``) computed by its registered matrix; None where the kernels do
     not take it."""
     q, scales, biases, bits, group_size = form
     source = [q, scales, biases]
     cols = int(q.shape[1]) * 32 // bits
-    matrix = _matrix_of(name, partial(list, source), [int(q.shape[0]), cols, bits, group_size], kept)
+    matrix = _matrix_of(name, partial(list, source), [int(q.shape[0]), cols, bits, group_size], kept, lean)
     if matrix is None:
         return None
     embedding = isinstance(module, QuantizedEmbedding)
-    if not embedding and _lean(bits) and (matrix.arrays == () or matrix.pack_only()):
+    if embedding or not lean:  # the layer and the kernels read the same arrays where both keep them
+        if matrix.arrays:
+            module.update(dict(zip(("weight", "scales", "biases"), matrix.arrays, strict=True)))
+    elif matrix.arrays == () or matrix.pack_only():
         module.update({k: _placeholder(module[k]) for k in ("weight", "scales", "biases")})
-    elif matrix.arrays:  # the layer and the kernels read the same arrays where both keep them
-        module.update(dict(zip(("weight", "scales", "biases"), matrix.arrays, strict=True)))
     object.__setattr__(module, MATRIX, matrix)
     module.__class__ = KernelEmbedding if embedding else KernelLinear
     return matrix

@@ -85,7 +85,6 @@ class Engine:
         self.cpu_fast_paths: list[str] = []  # layers swapped by mlxpipe.cpu.layers (set by load)
         self.argmax: Callable[[mx.array], mx.array] = greedy_argmax  # a greedy step's pick (set by load)
         self.quantized_rows = 0  # weight matrices whose one-row products read quantized bytes (set by load)
-        self.int8_activations = 0  # the 8-bit parts their integer products take (0: none do; set by load)
         self.dequantized = False  # a quantized model computed from float32 copies (set by load)
         self.batch_choice: dict[str, Any] | None = None  # what --batch auto chose and why (set by auto_batch)
         self.context_length = models.context_length(folder)
@@ -166,8 +165,8 @@ class Engine:
             info["blas"]["threads"] = threads  # now: 1 while one stream decodes, else the default
         info["cpu_fast_paths"] = self.cpu_fast_paths
         info["quantized_rows"] = self.quantized_rows
-        # the 8-bit parts of the integer products (MLXPIPE_INT8) where this model's widths take them
-        info["int8_activations"] = self.int8_activations
+        # the 8-bit parts of the integer products (MLXPIPE_INT8; a CPU with VNNI), when quantized kernels run
+        info["int8_activations"] = gemv.int8_activations() if self.quantized_rows else 0
         if self.batch_choice is not None:
             info["batch"] = self.batch_choice
         return info
@@ -312,8 +311,6 @@ def _speed_up(
     if forms and layers.enabled():
         quantized.fuse(engine.model, forms, joined)
     engine.quantized_rows = quantized.attach(engine, engine.model, forms, _streams) + len(matrices)
-    widths = {m.bits for m in matrices} | {form[3] for form in forms.values()}
-    engine.int8_activations = max((gemv.int8_activations(b) for b in widths), default=0) if engine.quantized_rows else 0
     kernels.release_with(engine, matrices, lambda: quantized.settle(_streams))
     if accelerator() is None and layers.enabled():
         engine.cpu_fast_paths = layers.apply(engine.model)
