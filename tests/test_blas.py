@@ -90,7 +90,7 @@ def machine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(blas, "_reference_blas", lambda: state["reference"])
     monkeypatch.setattr(blas, "_candidates", lambda: list(state["candidates"]))
     monkeypatch.setattr(blas, "_cuda_backend", lambda: state["cuda"])
-    monkeypatch.setattr(blas, "_cpu_flags", lambda: state["flags"])
+    monkeypatch.setattr(blas, "cpu_flags", lambda: state["flags"])
     monkeypatch.setattr(blas, "_load", load)
     monkeypatch.setattr(blas.gemv, "install", install)
     monkeypatch.setattr(blas.gemv, "attached", lambda: False)  # an engine loaded earlier in this process
@@ -267,7 +267,7 @@ def test_the_installed_libraries_are_judged_by_their_own_config_and_this_cpus_fl
         "    except OSError as exc:\n"
         "        lacks = str(exc)\n"
         "    out.append([source, config, lacks])\n"
-        "print(json.dumps([out, sorted(blas._cpu_flags() or [])]))\n"
+        "print(json.dumps([out, sorted(blas.cpu_flags() or [])]))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True

@@ -315,6 +315,29 @@ def test_the_library_builds_without_its_x86_kernels(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
+def test_a_cpu_without_avx512_vnni_builds_without_its_tiles(
+    openblas: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Those tiles are the costliest part of gemv.c to compile (bench/RESULTS.md#r-build), and such a CPU never
+    # runs them. The define is in the library's key: a cache folder shared by two CPUs keeps one build each.
+    without = ["-DMLXPIPE_WITHOUT_VNNI512"]
+    for flags, defines in [
+        (None, []),  # not Linux, or no /proc: everything is built, as before
+        ({"fp", "asimd"}, []),  # not x86: the portable part alone anyway
+        ({"avx2", "fma"}, without),
+        ({"avx2", "avx512f", "avx512bw"}, without),
+        ({"avx2", "avx512f", "avx512bw", "avx512_vnni"}, []),
+    ]:
+        monkeypatch.setattr(blas, "cpu_flags", lambda flags=flags: flags)
+        assert gemv._defines() == defines
+    monkeypatch.undo()
+    here = blas.cpu_flags() or set()
+    shim = _own_shim(openblas, quantized=True)
+    if shim.mlxpipe_qgemm_int8(2) == 2 and gemv._defines():  # the library built here: never AVX-512's tiles
+        assert shim.mlxpipe_qgemm_int8_kind() == (AVX_VNNI if "avx_vnni" in here else 3)
+    shim.mlxpipe_qgemm_int8(0)
+
+
 def test_a_failed_build_is_remembered_per_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cc, runs = _failing_compiler(tmp_path)

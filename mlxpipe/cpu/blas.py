@@ -241,7 +241,7 @@ def _load(path: str, mode: int) -> Any:
     return ctypes.CDLL(path, mode=mode)
 
 
-def _cpu_flags() -> set[str] | None:
+def cpu_flags() -> set[str] | None:
     """This CPU's feature flags as the kernel lists them (None where it does not: not x86, no /proc)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
@@ -263,7 +263,7 @@ def _cpu_lacks(config: str | None) -> str | None:
     if "DYNAMIC_ARCH" in words:
         return None
     target = next((word for word in words if word.upper() in _TARGET_NEEDS), None)
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if target is None or flags is None:
         return None
     missing = [flag for flag in _TARGET_NEEDS[target.upper()] if flag not in flags]

@@ -1153,6 +1153,9 @@ static int i8_kind(void) {
         int avxvnni = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1); /* CPUID.(7,1):EAX[4] */
         i8_cpu = (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") ? 2 : 0) |
                  (avxvnni ? 1 : 0);
+#ifdef MLXPIPE_WITHOUT_VNNI512
+        i8_cpu &= ~2;
+#endif
     }
     if (kernels() == 2 && (i8_cpu & 2)) return 2;
     if (kernels() == 1 && (i8_cpu & 1) && i8_emulated_allowed < 2) return 1;
@@ -1562,6 +1565,8 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
 /* Rows [r0, r1) of c (r0 a multiple of 32) from M rows of A: every 8 rows of A (4 with two parts: the sums'
  * registers) against the whole stretch of W (kept in L2 meanwhile); fewer rows in tiles of 4, 2 and 1 (each
  * row's sums are the same in any tile: fewer kinds of tiles, a shorter build). */
+/* MLXPIPE_WITHOUT_VNNI512 (gemv.py, on a CPU without AVX-512 VNNI): left out, the costliest tiles to compile */
+#ifndef MLXPIPE_WITHOUT_VNNI512
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(const qmat *m, const i8_input *in,
                                                                              int M, float *c, int ldc, int r0,
                                                                              int r1) {
@@ -1605,10 +1610,48 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(c
         }
     }
 }
+#endif
 /* 8 scales (or biases) from element i of a repacked copy's, 16- or 32-bit (`half` in scope) */
 #define I8_SCALES256(p, i)                                                                                    \
     (half ? _mm256_cvtph_ps(_mm_load_si128((const __m128i *)((p) + 2 * (long)(i))))                         \
           : _mm256_load_ps((const float *)(p) + (i)))
+
+/* group g's 16 scales and biases (a symmetric copy's biases: -2^(bits-1) times its scales), x's two parts'
+ * 1/256 folded into the scales: what the AVX2 tiles multiply their integer sums by */
+__attribute__((target("avx2,f16c"), always_inline)) static inline void
+i8_scales256(const uint8_t *sc, const uint8_t *bi, int half, int bits, int P, int g, __m256 *s0, __m256 *s1,
+             __m256 *b0, __m256 *b1) {
+    const __m256 offset = _mm256_set1_ps(-(float)(1 << (bits - 1)));
+    *s0 = I8_SCALES256(sc, g * 16), *s1 = I8_SCALES256(sc, g * 16 + 8);
+    *b0 = bi ? I8_SCALES256(bi, g * 16) : _mm256_mul_ps(*s0, offset);
+    *b1 = bi ? I8_SCALES256(bi, g * 16 + 8) : _mm256_mul_ps(*s1, offset);
+    if (P == 2) {
+        const __m256 fine = _mm256_set1_ps(1.0f / 256);
+        *s0 = _mm256_mul_ps(*s0, fine), *s1 = _mm256_mul_ps(*s1, fine);
+    }
+}
+
+/* f += t * s * scale + b * sum: one group's integer sums t of a row of A (its scale and sum) into the row's 16
+ * columns */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+i8_fold256(__m256 s0, __m256 s1, __m256 b0, __m256 b1, float scale, float sum, __m256 t0, __m256 t1, __m256 *f0,
+           __m256 *f1) {
+    const __m256 x = _mm256_set1_ps(scale), y = _mm256_set1_ps(sum);
+    *f0 = _mm256_fmadd_ps(b0, y, _mm256_fmadd_ps(t0, _mm256_mul_ps(s0, x), *f0));
+    *f1 = _mm256_fmadd_ps(b1, y, _mm256_fmadd_ps(t1, _mm256_mul_ps(s1, x), *f1));
+}
+
+/* the R rows of a tile's 16 columns into C, the first `valid` of them */
+__attribute__((target("avx2"), always_inline)) static inline void
+i8_store256(const int R, const __m256 *f0, const __m256 *f1, float *c, int ldc, int valid) {
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), iota);
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid - 8), iota);
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+        _mm256_maskstore_ps(c + (long)i * ldc, m0, f0[i]);
+        _mm256_maskstore_ps(c + (long)i * ldc + 8, m1, f1[i]);
+    }
+}
 
 /* shifted512 with AVX2 */
 __attribute__((target("avx2"), always_inline)) static inline __m256i shifted256(__m256i v, int s) {
@@ -1648,11 +1691,17 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i dpbusd256(_
     return acc;
 }
 
+/* dpbusd256(dpbusd256(acc, w, x), v, y) by AVX2 alone: the bytes' products summed in 16 bits (vpmaddubsw twice,
+ * vpaddw: exact while w, v < 64, at most 4 * 63 * 128 < 2^15), then in pairs into 32 bits (vpmaddwd by ones) */
+__attribute__((target("avx2"), always_inline)) static inline __m256i
+dpbusd_pair256(__m256i acc, __m256i w, __m256i x, __m256i v, __m256i y) {
+    const __m256i h = _mm256_add_epi16(_mm256_maddubs_epi16(w, x), _mm256_maddubs_epi16(v, y));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(h, _mm256_set1_epi16(1)));
+}
+
 /* i8_tile with AVX2: one block of 16 rows of W, as two registers of 8 (a packed register's halves), by R rows of
- * A; V: by AVX-VNNI, else (below 8 bits) each pair of vpdpbusd by AVX2 alone: the bytes' products w * x and
- * v * y summed in 16 bits (vpmaddubsw twice, vpaddw: at most 4 * 63 * 128 < 2^15, exact), then in pairs into
- * the 32-bit sums (vpmaddwd by ones, vpaddd). The same integers, the same operations after them lane by lane:
- * the same numbers. */
+ * A; V: by AVX-VNNI, else (below 8 bits) each pair of vpdpbusd by AVX2 alone (dpbusd_pair256). The same
+ * integers, the same operations after them lane by lane: the same numbers. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
 i8_tile256(const int V, const int R, const int bits, const int P, const int CH, int groups, int chunks, const uint8_t *w,
            const uint8_t *sc, const uint8_t *bi, int half, const int8_t *xq, int k, int group, const float *sx,
@@ -1684,54 +1733,31 @@ i8_tile256(const int V, const int R, const int bits, const int P, const int CH, 
                     int32_t xa;
                     memcpy(&xa, at, 4);
                     __m256i a = _mm256_set1_epi32(xa), *s0 = p ? e0 : d0, *s1 = p ? e1 : d1;
-                    if (!V) { /* (bits < 8) */
-                        int32_t xb;
-                        memcpy(&xb, at + 4, 4);
-                        __m256i b = _mm256_set1_epi32(xb), ones = _mm256_set1_epi16(1);
-                        __m256i h0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, a), _mm256_maddubs_epi16(hi0, b));
-                        __m256i h1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, a), _mm256_maddubs_epi16(hi1, b));
-                        s0[i] = _mm256_add_epi32(s0[i], _mm256_madd_epi16(h0, ones));
-                        s1[i] = _mm256_add_epi32(s1[i], _mm256_madd_epi16(h1, ones));
+                    if (bits == 8) { /* (V) */
+                        s0[i] = dpbusd256(s0[i], lo0, a), s1[i] = dpbusd256(s1[i], lo1, a);
                         continue;
                     }
-                    s0[i] = dpbusd256(s0[i], lo0, a);
-                    s1[i] = dpbusd256(s1[i], lo1, a);
-                    if (bits != 8) {
-                        int32_t xb;
-                        memcpy(&xb, at + 4, 4);
-                        __m256i b = _mm256_set1_epi32(xb);
-                        s0[i] = dpbusd256(s0[i], hi0, b);
-                        s1[i] = dpbusd256(s1[i], hi1, b);
-                    }
+                    int32_t xb;
+                    memcpy(&xb, at + 4, 4);
+                    const __m256i b = _mm256_set1_epi32(xb);
+                    s0[i] = V ? dpbusd256(dpbusd256(s0[i], lo0, a), hi0, b) : dpbusd_pair256(s0[i], lo0, a, hi0, b);
+                    s1[i] = V ? dpbusd256(dpbusd256(s1[i], lo1, a), hi1, b) : dpbusd_pair256(s1[i], lo1, a, hi1, b);
                 }
             }
         }
-        __m256 s0 = I8_SCALES256(sc, g * 16), s1 = I8_SCALES256(sc, g * 16 + 8);
-        const __m256 offset = _mm256_set1_ps(-(float)(1 << (bits - 1)));
-        __m256 b0 = bi ? I8_SCALES256(bi, g * 16) : _mm256_mul_ps(s0, offset);
-        __m256 b1 = bi ? I8_SCALES256(bi, g * 16 + 8) : _mm256_mul_ps(s1, offset);
-        if (P == 2) {
-            const __m256 fine = _mm256_set1_ps(1.0f / 256);
-            s0 = _mm256_mul_ps(s0, fine), s1 = _mm256_mul_ps(s1, fine);
-        }
+        __m256 s0, s1, b0, b1;
+        i8_scales256(sc, bi, half, bits, P, g, &s0, &s1, &b0, &b1);
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
-            __m256 scale = _mm256_set1_ps(sx[(long)i * groups + g]), sum = _mm256_set1_ps(xsum[(long)i * groups + g]);
             __m256 t0 = _mm256_cvtepi32_ps(d0[i]), t1 = _mm256_cvtepi32_ps(d1[i]);
             if (P == 2) {
                 t0 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(d0[i], 8), e0[i]));
                 t1 = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(d1[i], 8), e1[i]));
             }
-            f0[i] = _mm256_fmadd_ps(b0, sum, _mm256_fmadd_ps(t0, _mm256_mul_ps(s0, scale), f0[i]));
-            f1[i] = _mm256_fmadd_ps(b1, sum, _mm256_fmadd_ps(t1, _mm256_mul_ps(s1, scale), f1[i]));
+            const float scale = sx[(long)i * groups + g], sum = xsum[(long)i * groups + g];
+            i8_fold256(s0, s1, b0, b1, scale, sum, t0, t1, &f0[i], &f1[i]);
         }
     }
-    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), iota);
-    __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid - 8), iota);
-    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
-        _mm256_maskstore_ps(c + (long)i * ldc, m0, f0[i]);
-        _mm256_maskstore_ps(c + (long)i * ldc + 8, m1, f1[i]);
-    }
+    i8_store256(R, f0, f1, c, ldc, valid);
 }
 
 /* i8_tile with AVX2 alone for 8-bit values (whose byte products vpmaddubsw would saturate): x's words
@@ -1772,29 +1798,16 @@ i8_tile256w(const int R, const int P, const int CH, int groups, int chunks, cons
                 e1[i] = _mm256_add_epi32(e1[i], _mm256_madd_epi16(w3, a));
             }
         }
-        __m256 s0 = I8_SCALES256(sc, g * 16), s1 = I8_SCALES256(sc, g * 16 + 8);
-        const __m256 offset = _mm256_set1_ps(-128.0f);
-        __m256 b0 = bi ? I8_SCALES256(bi, g * 16) : _mm256_mul_ps(s0, offset);
-        __m256 b1 = bi ? I8_SCALES256(bi, g * 16 + 8) : _mm256_mul_ps(s1, offset);
-        if (P == 2) {
-            const __m256 fine = _mm256_set1_ps(1.0f / 256);
-            s0 = _mm256_mul_ps(s0, fine), s1 = _mm256_mul_ps(s1, fine);
-        }
+        __m256 s0, s1, b0, b1;
+        i8_scales256(sc, bi, half, 8, P, g, &s0, &s1, &b0, &b1);
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
-            __m256 scale = _mm256_set1_ps(sx[(long)i * groups + g]), sum = _mm256_set1_ps(xsum[(long)i * groups + g]);
             __m256 t0 = _mm256_cvtepi32_ps(_mm256_hadd_epi32(d0[i], e0[i]));
             __m256 t1 = _mm256_cvtepi32_ps(_mm256_hadd_epi32(d1[i], e1[i]));
-            f0[i] = _mm256_fmadd_ps(b0, sum, _mm256_fmadd_ps(t0, _mm256_mul_ps(s0, scale), f0[i]));
-            f1[i] = _mm256_fmadd_ps(b1, sum, _mm256_fmadd_ps(t1, _mm256_mul_ps(s1, scale), f1[i]));
+            const float scale = sx[(long)i * groups + g], sum = xsum[(long)i * groups + g];
+            i8_fold256(s0, s1, b0, b1, scale, sum, t0, t1, &f0[i], &f1[i]);
         }
     }
-    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), iota);
-    __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid - 8), iota);
-    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
-        _mm256_maskstore_ps(c + (long)i * ldc, m0, f0[i]);
-        _mm256_maskstore_ps(c + (long)i * ldc + 8, m1, f1[i]);
-    }
+    i8_store256(R, f0, f1, c, ldc, valid);
 }
 
 /* one tile of R_ rows of A, with V_ (AVX-VNNI or AVX2 alone: below 8 bits), the width, the parts and (groups of
@@ -1876,8 +1889,13 @@ static void i8_quantize_any(const qmat *m, int parts, int M, const float *a, lon
 
 static void i8_rows_any(const qmat *m, const i8_input *in, int M, float *c, int ldc, int r0, int r1) {
     int kind = i8_kind();
-    if (kind == 2) i8_rows(m, in, M, c, ldc, r0, r1);
-    else (kind == 1 ? i8_rows256_vnni : i8_rows256_emulated)(m, in, M, c, ldc, r0, r1);
+#ifndef MLXPIPE_WITHOUT_VNNI512
+    if (kind == 2) {
+        i8_rows(m, in, M, c, ldc, r0, r1);
+        return;
+    }
+#endif
+    (kind == 1 ? i8_rows256_vnni : i8_rows256_emulated)(m, in, M, c, ldc, r0, r1);
 }
 #endif
 

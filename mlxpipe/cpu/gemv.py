@@ -47,6 +47,7 @@ from .. import cachefiles
 from ..errors import first_line
 from ..paths import cache_dir
 from ..switches import setting, turned_off, turned_off_by
+from . import blas
 
 __all__ = [
     "AMX_ENV",
@@ -166,6 +167,15 @@ def source() -> Path:
     return _SOURCE
 
 
+def _defines() -> list[str]:
+    """The compiler's -D options for this CPU: on an x86-64 CPU that says it lacks AVX-512 VNNI, the tiles
+    only it runs are left out (they are 40% of the build; bench/RESULTS.md#r-build)."""
+    flags = blas.cpu_flags()
+    if flags is None or "avx2" not in flags or {"avx512_vnni", "avx512bw"} <= flags:
+        return []
+    return ["-DMLXPIPE_WITHOUT_VNNI512"]
+
+
 def _open(path: str, mode: int) -> Any:
     return ctypes.CDLL(path, mode=mode)
 
@@ -177,9 +187,12 @@ def _built() -> str:
     raises OSError (:class:`~mlxpipe.cachefiles.BuildError`, cause and fix) when it cannot be built or used.
     """
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
+    defines = _defines()
+    key = hashlib.sha256(source + platform.machine().encode() + " ".join(defines).encode()).hexdigest()[:16]
     target = cache_dir() / f"gemv-{key}.so"
     inputs = {"source": hashlib.sha256(source).hexdigest(), "machine": platform.machine()}
+    if defines:
+        inputs["defines"] = " ".join(defines)
     if cachefiles.check_file(target, inputs) is None and not cachefiles.noexec(target.parent):
         return str(target)  # the common case: no compiler looked for
     compiler = cachefiles.find_compiler()
@@ -187,7 +200,7 @@ def _built() -> str:
         raise OSError(NO_COMPILER)
 
     def command(out: Path) -> list[str]:
-        return [compiler, "-O2", "-shared", "-fPIC", "-o", str(out), str(_SOURCE), "-lm"]
+        return [compiler, "-O2", *defines, "-shared", "-fPIC", "-o", str(out), str(_SOURCE), "-lm"]
 
     return str(cachefiles.build(target, command, compiler, inputs))
 
