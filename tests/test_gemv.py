@@ -328,10 +328,10 @@ def test_a_cpu_without_avx512_vnni_builds_without_its_tiles(
         ({"avx2", "avx512f", "avx512bw"}, without),
         ({"avx2", "avx512f", "avx512bw", "avx512_vnni"}, []),
     ]:
-        monkeypatch.setattr(blas, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(gemv, "cpu_flags", lambda flags=flags: flags)
         assert gemv._defines() == defines
     monkeypatch.undo()
-    here = blas.cpu_flags() or set()
+    here = gemv.cpu_flags() or set()
     shim = _own_shim(openblas, quantized=True)
     if shim.mlxpipe_qgemm_int8(2) == 2 and gemv._defines():  # the library built here: never AVX-512's tiles
         assert shim.mlxpipe_qgemm_int8_kind() == (AVX_VNNI if "avx_vnni" in here else 3)

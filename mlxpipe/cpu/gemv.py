@@ -47,7 +47,6 @@ from .. import cachefiles
 from ..errors import first_line
 from ..paths import cache_dir
 from ..switches import setting, turned_off, turned_off_by
-from . import blas
 
 __all__ = [
     "AMX_ENV",
@@ -167,10 +166,22 @@ def source() -> Path:
     return _SOURCE
 
 
+def cpu_flags() -> set[str] | None:
+    """This CPU's feature flags as the kernel lists them (None where it does not: not x86, no /proc)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return None
+
+
 def _defines() -> list[str]:
     """The compiler's -D options for this CPU: on an x86-64 CPU that says it lacks AVX-512 VNNI, the tiles
     only it runs are left out (they are 40% of the build; bench/RESULTS.md#r-build)."""
-    flags = blas.cpu_flags()
+    flags = cpu_flags()
     if flags is None or "avx2" not in flags or {"avx512_vnni", "avx512bw"} <= flags:
         return []
     return ["-DMLXPIPE_WITHOUT_VNNI512"]
