@@ -1562,11 +1562,11 @@ i8_tile(const int R, const int bits, const int P, const int CH, int groups, int 
             i8_tile(R_, 2, P_, 0, groups, chunks, wb, bstride, sc, bi, sstride, half, x, k, m->group, s, t, cr, ldc, m0, m1); \
     } while (0)
 
+/* MLXPIPE_WITHOUT_VNNI512 (gemv.py, on a CPU without AVX-512 VNNI): left out, the costliest tiles to compile */
+#ifndef MLXPIPE_WITHOUT_VNNI512
 /* Rows [r0, r1) of c (r0 a multiple of 32) from M rows of A: every 8 rows of A (4 with two parts: the sums'
  * registers) against the whole stretch of W (kept in L2 meanwhile); fewer rows in tiles of 4, 2 and 1 (each
  * row's sums are the same in any tile: fewer kinds of tiles, a shorter build). */
-/* MLXPIPE_WITHOUT_VNNI512 (gemv.py, on a CPU without AVX-512 VNNI): left out, the costliest tiles to compile */
-#ifndef MLXPIPE_WITHOUT_VNNI512
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void i8_rows(const qmat *m, const i8_input *in,
                                                                              int M, float *c, int ldc, int r0,
                                                                              int r1) {

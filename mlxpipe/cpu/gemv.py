@@ -180,7 +180,7 @@ def cpu_flags() -> set[str] | None:
 
 def _defines() -> list[str]:
     """The compiler's -D options for this CPU: on an x86-64 CPU that says it lacks AVX-512 VNNI, the tiles
-    only it runs are left out (they are 40% of the build; bench/RESULTS.md#r-build)."""
+    only it runs are left out (the costliest part of the build: bench/RESULTS.md#r-build)."""
     flags = cpu_flags()
     if flags is None or "avx2" not in flags or {"avx512_vnni", "avx512bw"} <= flags:
         return []
@@ -199,11 +199,12 @@ def _built() -> str:
     """
     source = _SOURCE.read_bytes()
     defines = _defines()
-    key = hashlib.sha256(source + platform.machine().encode() + " ".join(defines).encode()).hexdigest()[:16]
+    defined = " ".join(defines)
+    key = hashlib.sha256(source + platform.machine().encode() + defined.encode()).hexdigest()[:16]
     target = cache_dir() / f"gemv-{key}.so"
     inputs = {"source": hashlib.sha256(source).hexdigest(), "machine": platform.machine()}
-    if defines:
-        inputs["defines"] = " ".join(defines)
+    if defined:
+        inputs["defines"] = defined
     if cachefiles.check_file(target, inputs) is None and not cachefiles.noexec(target.parent):
         return str(target)  # the common case: no compiler looked for
     compiler = cachefiles.find_compiler()
